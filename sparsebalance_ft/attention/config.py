@@ -1,0 +1,36 @@
+"""The `sparsity:` section of a recipe: how the dynamic block-sparse attention selects blocks."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SparsityConfig(BaseModel):
+    """Selection and kernel settings of the `sparsebalance` attention.
+
+    `budget` is the knob the balancer turns: a scalar in [0, 1] that maps monotonically onto
+    the mass threshold `tau` and the per-query-block cap `k_max` (see `attention/budget.py`).
+    1.0 keeps every causal block, so the attention then equals dense attention exactly.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_size: int = Field(64, description="Query and key block size in tokens (64 or 128 are typical).")
+    sink_blocks: int = Field(1, ge=0, description="Leading key blocks always kept (the attention sink).")
+    local_blocks: int = Field(2, ge=1, description="Most recent key blocks always kept, the diagonal block included.")
+    tau: float = Field(0.9, gt=0.0, le=1.0, description="Share of estimated attention mass to keep at the default budget.")
+    k_min: int = Field(4, ge=1, description="Fewest key blocks any query block keeps (anchors included).")
+    k_max: int = Field(64, ge=1, description="Most key blocks a query block keeps at the default budget.")
+    budget: float = Field(0.5, ge=0.0, le=1.0, description="Default budget; 1.0 means dense.")
+    dense_layers: list[int] = Field(default_factory=list, description="Layer indices that always run dense attention.")
+    backend: Literal["auto", "torch", "flex", "triton"] = "auto"
+    recall_samples: int = Field(4, ge=0, description="Query blocks per layer sampled each forward to measure recall.")
+
+    @model_validator(mode="after")
+    def _caps_ordered(self) -> "SparsityConfig":
+        if self.k_min > self.k_max:
+            raise ValueError(f"k_min ({self.k_min}) must not exceed k_max ({self.k_max})")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
+        return self

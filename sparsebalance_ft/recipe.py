@@ -1,0 +1,198 @@
+"""The recipe: one YAML file, validated by a typed schema before any work starts.
+
+Each section's model lives beside the component it configures (`attention/config.py`,
+`balancer/config.py`); this module assembles them, loads YAML, applies `--set` overrides
+and turns every validation failure into one line that names the key or path.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .attention.config import SparsityConfig
+from .balancer.config import BalanceConfig
+from .errors import UserError
+
+
+class RecipeError(UserError):
+    """A recipe problem a user can fix; the CLI prints it as one line and exits 2."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    path: str = Field(..., description="Local directory of a Hugging Face causal LM checkpoint.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights dtype; auto picks bfloat16 where the device supports it, else float32."
+    )
+    attn_implementation: Literal["sdpa", "eager", "sparsebalance", "flash_attention_2", "flex_attention"] = "sdpa"
+    gradient_checkpointing: bool = False
+
+
+class LoraConfig(_Section):
+    enabled: bool = True
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description="Modules trained in full beside the adapter, e.g. embed_tokens and norms as LongLoRA found necessary.",
+    )
+
+
+class DataConfig(_Section):
+    path: str = Field(..., description="JSONL or Parquet file, folder of text files, or a `save_to_disk` dataset folder.")
+    format: Literal["auto", "jsonl", "parquet", "text", "saved"] = "auto"
+    text_field: str = "text"
+    messages_field: str | None = Field(None, description="Field holding chat messages; rendered with the chat template.")
+    text_glob: str = Field("**/*", description="Which files of a text folder to read.")
+    tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to the model's.")
+    max_seq_len: int = Field(4096, ge=8)
+    min_seq_len: int = Field(16, ge=2, description="Shorter documents are dropped (and counted).")
+    too_long: Literal["truncate", "drop", "error"] = "truncate"
+    max_documents: int | None = Field(None, ge=1)
+    cache_dir: str = Field(".sbft_cache", description="Where tokenized datasets are cached and reused.")
+
+
+class TrainingConfig(_Section):
+    output_dir: str = "runs/default"
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; if unset, `epochs` passes over the data.")
+    epochs: int = Field(1, ge=1)
+    docs_per_rank: int = Field(4, ge=1, description="Documents per rank per optimizer step (the step's window is this x world size).")
+    micro_batch_tokens: int | None = Field(None, ge=8, description="Token cap of one packed micro-batch; default max_seq_len.")
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    learning_rate: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    seed: int = 0
+    log_every: int = Field(1, ge=1)
+    checkpoint_every: int | None = Field(None, ge=1, description="Steps between checkpoints; none disables them.")
+    keep_checkpoints: int = Field(2, ge=1)
+    tensorboard: bool = True
+
+
+class Recipe(_Section):
+    model: ModelConfig
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    data: DataConfig
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    sparsity: SparsityConfig = Field(default_factory=SparsityConfig)
+    balance: BalanceConfig = Field(default_factory=BalanceConfig)
+
+    @model_validator(mode="after")
+    def _cap_fits_a_sequence(self) -> "Recipe":
+        cap = self.training.micro_batch_tokens
+        if cap is not None and cap < self.data.max_seq_len:
+            raise ValueError(
+                f"training.micro_batch_tokens ({cap}) is below data.max_seq_len ({self.data.max_seq_len}):"
+                " a full-length sequence would fit in no micro-batch"
+            )
+        return self
+
+    @property
+    def token_cap(self) -> int:
+        return self.training.micro_batch_tokens or self.data.max_seq_len
+
+    def fingerprint(self) -> str:
+        """Short hash of the validated recipe, recorded in profiles and checkpoints."""
+        text = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split `a.b.c=value` into a key path and a YAML-typed value (`3` is an int, `[1,2]` a list)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. training.max_steps=10")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise RecipeError(f"--set {item!r}: '{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    first = error.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        message = "unknown key"
+    elif kind == "missing":
+        message = "required key is missing"
+    else:
+        message = first["msg"]
+        if "input" in first and not isinstance(first["input"], dict):
+            message += f" (got {first['input']!r})"
+    more = len(error.errors()) - 1
+    suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
+    return f"{source}: {key}: {message}{suffix}"
+
+
+def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
+    if not isinstance(data, dict):
+        raise RecipeError(f"{source}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as error:
+        raise RecipeError(_describe(error, source)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None, check_paths: bool = True) -> Recipe:
+    """Read, override and validate a recipe; with `check_paths`, also require the model and data to exist."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"{path}: recipe file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise RecipeError(f"{path}{where}: not valid YAML: {problem}") from None
+    data = apply_overrides(data if data is not None else {}, overrides or [])
+    recipe = recipe_from_dict(data, str(path))
+    if check_paths:
+        check_recipe_paths(recipe)
+    return recipe
+
+
+def check_recipe_paths(recipe: Recipe) -> None:
+    """Fail early, naming the key, when a local path the recipe points at does not exist."""
+    for key, value in (
+        ("model.path", recipe.model.path),
+        ("data.path", recipe.data.path),
+        ("data.tokenizer", recipe.data.tokenizer),
+        ("balance.profile", recipe.balance.profile),
+    ):
+        if value is not None and not Path(value).exists():
+            raise RecipeError(f"{key}: path not found: {value}")
+
+
+def dump_recipe(recipe: Recipe, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
