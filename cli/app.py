@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import typer
 
+from . import export, init_tiny, train
+
 app = typer.Typer(
     name="sbft",
     help="Long-context LoRA fine-tuning with load-balanced dynamic sparse attention (SparseBalance).",
@@ -11,6 +13,13 @@ app = typer.Typer(
     add_completion=False,
 )
 
+for command in (init_tiny, train, export):
+    command.register(app)
+
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

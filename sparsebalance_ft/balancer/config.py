@@ -5,7 +5,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..errors import UserError
+
 BatchingPolicyName = Literal["random", "tokens", "kk-length", "kk-flops", "sparsebalance"]
+TuningMode = Literal["none", "straggler-only", "bidirectional"]
+TargetRule = Literal["mean", "fastest"]
+
+
+class BalanceConfigError(UserError):
+    """The `balance:` section disagrees with another section (one line, exit 2)."""
 
 
 class BalanceConfig(BaseModel):
@@ -14,16 +22,38 @@ class BalanceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     batching: BatchingPolicyName = Field("random", description="How each step's documents are assigned to ranks.")
-    tuning: Literal["none", "straggler-only", "bidirectional"] = Field(
+    tuning: TuningMode = Field(
         "none", description="Dynamic sparsity tuning: lower stragglers' budgets, and optionally raise the others'."
     )
     min_budget: float = Field(0.1, ge=0.0, le=1.0, description="No rank's budget goes below this.")
     max_budget: float = Field(0.9, ge=0.0, le=1.0, description="No rank's budget goes above this.")
     per_layer: bool = Field(False, description="Tune a budget per layer instead of one per rank.")
     profile: str | None = Field(None, description="Latency profile from `sbft profile`; an analytic model is used without one.")
+    target: TargetRule = Field(
+        "mean",
+        description=(
+            "Target step time T* of the tuner. mean: the mean predicted time at the default budget, raised to the"
+            " slowest rank's time at min_budget when that is higher (no cut can go below it). fastest: that floor"
+            " alone (fastest step, most sparsity)."
+        ),
+    )
+    grid_points: int = Field(
+        17, ge=2, le=257, description="Budgets between min_budget and max_budget at which each rank's time is predicted."
+    )
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> "BalanceConfig":
         if self.min_budget > self.max_budget:
             raise ValueError(f"min_budget ({self.min_budget}) must not exceed max_budget ({self.max_budget})")
         return self
+
+    def check_default_budget(self, default_budget: float) -> None:
+        """With tuning on, the default budget (`sparsity.budget`) must lie within [min_budget, max_budget].
+
+        Raises `BalanceConfigError` naming both keys; call it when the recipe is loaded.
+        """
+        if self.tuning != "none" and not (self.min_budget <= default_budget <= self.max_budget):
+            raise BalanceConfigError(
+                f"sparsity.budget ({default_budget}) lies outside balance.min_budget..max_budget"
+                f" ({self.min_budget}..{self.max_budget}); tuning '{self.tuning}' moves budgets within those bounds"
+            )

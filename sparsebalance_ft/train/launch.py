@@ -1,0 +1,37 @@
+"""Start N ranks of `sbft train` through torch's elastic launcher (what `torchrun` runs).
+
+Each rank is a real process; on a CPU they meet over gloo. The elastic agent watches them:
+when one rank fails, it stops the others within its monitor interval and reports the failing
+rank's exit code and error, so nothing hangs in a collective.
+"""
+from __future__ import annotations
+
+import os
+
+
+class RankFailed(Exception):
+    def __init__(self, exit_code: int, summary: str):
+        super().__init__(summary)
+        self.exit_code = exit_code
+
+
+def inside_launcher() -> bool:
+    """True when this process already is one rank of a torchrun / accelerate launch group."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch_ranks(nproc: int, module_argv: list[str], module: str = "sbft_cli.app") -> None:
+    """Run `python -m MODULE *module_argv` on `nproc` local ranks; raise `RankFailed` if any fails."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc}", "--monitor-interval=0.5", "--module", module, *module_argv]
+    )
+    try:
+        run(args)
+    except ChildFailedError as error:
+        codes = sorted({failure.exitcode for failure in error.failures.values()})
+        rank, first = min(error.failures.items())
+        summary = f"rank {rank} failed with exit code {first.exitcode} (its error is printed above); all ranks were stopped"
+        raise RankFailed(2 if codes == [2] else 1, summary) from None

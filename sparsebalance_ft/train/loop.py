@@ -1,0 +1,202 @@
+"""The training loop: accelerate for processes, precision, trackers and checkpoints; one step at a time.
+
+Per optimizer step every rank (1) takes its micro-batches from the step's plan, which every
+rank computes identically, (2) asks the balancer for its attention budget, (3) runs its
+micro-batches, (4) waits for the slowest rank and sums gradients, (5) steps the optimizer and
+(6) reports timings and densities, which feed the density statistics for the next plan.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..data import load_corpus, pack_micro_batch
+from ..recipe import Recipe, dump_recipe
+from .balancing import build_balancing
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .metrics import MetricsWriter, RankRecord, gather_records, step_metrics
+from .model import load_model, resolve_mixed_precision
+from .optim import build_optimizer, build_scheduler
+from .progress import StepProgress
+from .step import run_local_step
+
+
+@dataclass
+class TrainState:
+    """Counters and component states restored on `--resume` (registered with accelerate's checkpointing)."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    components: dict = field(default_factory=dict)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "components": self.components}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.epoch, self.step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
+        self.components = state.get("components", {})
+
+
+def make_accelerator(recipe: Recipe):
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    out = recipe.training.output_dir
+    return Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=resolve_mixed_precision(recipe.training.mixed_precision),
+        log_with="tensorboard" if recipe.training.tensorboard else None,
+        project_config=ProjectConfiguration(project_dir=out, logging_dir=str(Path(out) / "tensorboard")),
+    )
+
+
+def _broadcast_trainable(params: list[torch.nn.Parameter]) -> None:
+    """Start every rank from rank 0's adapter weights, whatever each rank's RNG did."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for p in params:
+            dist.broadcast(p.data, src=0)
+
+
+def _injected_failure(rank: int, step: int) -> None:
+    """`SBFT_FAIL_AT=RANK:STEP` makes that rank raise at that step: how tests check that a dying rank stops all."""
+    spec = os.environ.get("SBFT_FAIL_AT")
+    if spec and spec == f"{rank}:{step}":
+        raise RuntimeError(f"injected failure on rank {rank} at step {step} (SBFT_FAIL_AT)")
+
+
+def _tracker_config(recipe: Recipe) -> dict:
+    flat = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}{key}.", item)
+        elif isinstance(value, (int, float, str, bool)):
+            flat[prefix[:-1]] = value
+        else:
+            flat[prefix[:-1]] = str(value)
+
+    walk("", recipe.model_dump(mode="json"))
+    return flat
+
+
+def train(recipe: Recipe, resume: bool = False, console=None) -> dict:
+    """Run the recipe; returns a summary (steps, final loss, wall time, output paths)."""
+    from accelerate.utils import set_seed
+    from rich.console import Console
+
+    console = console or Console(stderr=True)
+    accelerator = make_accelerator(recipe)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    out = Path(recipe.training.output_dir)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        dump_recipe(recipe, out / "recipe.yaml")
+    set_seed(recipe.training.seed)
+
+    model, tokenizer = load_model(recipe)
+    model.to(accelerator.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    _broadcast_trainable(params)
+    with accelerator.main_process_first():
+        corpus = load_corpus(recipe.data, tokenizer)
+    if accelerator.is_main_process:
+        console.print(f"data: {corpus.summary()}", highlight=False)
+
+    balancing = build_balancing(recipe, model, corpus.lengths, world, rank, accelerator.device)
+    steps_per_epoch = balancing.sampler.steps_per_epoch
+    if steps_per_epoch == 0:
+        raise RuntimeError("the dataset has fewer documents than one step needs; lower training.docs_per_rank")
+    total_steps = recipe.training.max_steps or recipe.training.epochs * steps_per_epoch
+
+    optimizer = accelerator.prepare(build_optimizer(recipe.training, params))
+    scheduler = build_scheduler(recipe.training, optimizer, total_steps)
+    accelerator.register_for_checkpointing(scheduler)
+    state = TrainState()
+    accelerator.register_for_checkpointing(state)
+
+    if resume:
+        checkpoint = latest_checkpoint(out)
+        if checkpoint is None:
+            console.print(f"resume: no checkpoint in {out}, starting from scratch")
+        else:
+            load_checkpoint(accelerator, model, checkpoint)
+            balancing.load_state_dict(state.components)
+            if accelerator.is_main_process:
+                console.print(f"resumed from {checkpoint} at step {state.step}")
+    writer = MetricsWriter(accelerator, out, resume_step=state.step)
+    if recipe.training.tensorboard:
+        accelerator.init_trackers("sbft", config=_tracker_config(recipe))
+
+    model.train()
+    started = time.perf_counter()
+    last_loss = math.nan
+    progress = StepProgress(total_steps, state.step, enabled=accelerator.is_main_process, console=console)
+    with progress:
+        while state.step < total_steps:
+            step_start = time.perf_counter()
+            _injected_failure(rank, state.step)
+            plan = balancing.sampler.plan(state.epoch, state.step_in_epoch)
+            mine = plan.micro_batches[rank]
+            decision = balancing.before_step(mine)
+            batches = [pack_micro_batch([corpus[i] for i in mb]) for mb in mine if mb]
+            global_targets = int(sum(corpus.lengths[i] - 1 for ranks in plan.micro_batches for mb in ranks for i in mb))
+            local = run_local_step(accelerator, model, batches, global_targets, params)
+            if recipe.training.max_grad_norm:
+                accelerator.clip_grad_norm_(params, recipe.training.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            attention = balancing.after_step(local.compute_time, local.wait_time)
+
+            record = RankRecord(
+                compute_time=local.compute_time,
+                wait_time=local.wait_time,
+                predicted_time=decision.predicted_time,
+                budget=decision.budget,
+                density=attention.density,
+                recall=attention.recall,
+                tokens=local.tokens,
+                docs=sum(len(mb) for mb in mine),
+                loss_sum=local.loss_sum,
+                target_tokens=local.target_tokens,
+            )
+            records = gather_records(record, accelerator.device)
+            state.step += 1
+            state.step_in_epoch += 1
+            if state.step_in_epoch >= steps_per_epoch:
+                state.epoch, state.step_in_epoch = state.epoch + 1, 0
+            metrics = step_metrics(
+                state.step, state.epoch, scheduler.get_last_lr()[0], time.perf_counter() - step_start, records
+            )
+            last_loss = metrics["loss"]
+            writer.write(metrics)
+            progress.update(state.step, metrics, every=recipe.training.log_every)
+
+            every = recipe.training.checkpoint_every
+            if every and (state.step % every == 0 or state.step == total_steps):
+                state.components = balancing.state_dict()
+                save_checkpoint(accelerator, model, out, state.step, recipe.training.keep_checkpoints)
+
+    adapter_dir = out / "adapter"
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(adapter_dir)
+        tokenizer.save_pretrained(adapter_dir)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return {
+        "steps": state.step,
+        "final_loss": last_loss,
+        "wall_time": time.perf_counter() - started,
+        "output_dir": str(out),
+        "adapter_dir": str(adapter_dir),
+        "world_size": world,
+    }
+

@@ -1,0 +1,103 @@
+"""Load the recipe's model the way it trains: Hugging Face checkpoint, attention backend, LoRA."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from ..recipe import Recipe
+
+
+class ModelLoadError(UserError):
+    """The model or tokenizer directory cannot be loaded as a Hugging Face checkpoint."""
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """`auto` means bfloat16 where the accelerator computes it natively, float32 elsewhere (CPU)."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    return getattr(torch, name)
+
+
+def resolve_mixed_precision(name: str) -> str:
+    if name == "auto":
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    return name
+
+
+def _require_checkpoint(path: Path, key: str) -> None:
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{key}: not a Hugging Face checkpoint (no config.json): {path}")
+    try:
+        json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as error:
+        raise ModelLoadError(f"{path / 'config.json'}:{error.lineno}: not valid JSON") from None
+
+
+def load_tokenizer(recipe: Recipe):
+    from transformers import AutoTokenizer
+
+    path = recipe.data.tokenizer or recipe.model.path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"data.tokenizer: cannot load a tokenizer from {path}: {str(error).splitlines()[0]}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(recipe: Recipe):
+    """The base model with the recipe's dtype and attention, registering `sparsebalance` first if asked."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(recipe.model.path)
+    _require_checkpoint(path, "model.path")
+    if recipe.model.attn_implementation == "sparsebalance":
+        from ..attention import register_sparse_attention
+
+        register_sparse_attention()
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=resolve_dtype(recipe.model.dtype), attn_implementation=recipe.model.attn_implementation
+    )
+
+
+def apply_lora(model, recipe: Recipe, adapter_dir: str | Path | None = None, trainable: bool = True):
+    """Wrap in a peft LoRA adapter: a fresh one from the recipe, or the saved one in `adapter_dir`."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter_dir is not None:
+        adapter_dir = Path(adapter_dir)
+        if not (adapter_dir / "adapter_config.json").is_file():
+            raise ModelLoadError(f"{adapter_dir}: no LoRA adapter here (adapter_config.json missing)")
+        return PeftModel.from_pretrained(model, adapter_dir, is_trainable=trainable)
+    lora = recipe.lora
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        modules_to_save=lora.modules_to_save or None,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:
+        raise ModelLoadError(f"lora.target_modules: {str(error).splitlines()[0]}") from None
+
+
+def load_model(recipe: Recipe, adapter_dir: str | Path | None = None, trainable: bool = True):
+    """`(model, tokenizer)` as training and evaluation use them; LoRA applied when the recipe enables it."""
+    tokenizer = load_tokenizer(recipe)
+    model = load_base_model(recipe)
+    if recipe.lora.enabled or adapter_dir is not None:
+        model = apply_lora(model, recipe, adapter_dir, trainable)
+    if recipe.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()
+    if not trainable:
+        model.eval()
+    return model, tokenizer
