@@ -1,9 +1,14 @@
 """The `sbft` application: each verb lives in its own module and registers itself here."""
 from __future__ import annotations
 
+import warnings
+
 import typer
 
-from . import export, init_tiny, train
+from . import export, init_tiny, report, train
+
+# peft asks transformers a deprecated question on every LoRA wrap; the warning is not the user's to act on.
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 app = typer.Typer(
     name="sbft",
@@ -13,7 +18,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
-for command in (init_tiny, train, export):
+for command in (init_tiny, train, export, report):
     command.register(app)
 
 

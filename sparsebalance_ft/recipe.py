@@ -91,13 +91,22 @@ class Recipe(_Section):
     balance: BalanceConfig = Field(default_factory=BalanceConfig)
 
     @model_validator(mode="after")
-    def _cap_fits_a_sequence(self) -> "Recipe":
+    def _sections_agree(self) -> "Recipe":
         cap = self.training.micro_batch_tokens
         if cap is not None and cap < self.data.max_seq_len:
             raise ValueError(
                 f"training.micro_batch_tokens ({cap}) is below data.max_seq_len ({self.data.max_seq_len}):"
                 " a full-length sequence would fit in no micro-batch"
             )
+        if self.balance.tuning != "none" and self.model.attn_implementation != "sparsebalance":
+            raise ValueError(
+                f"balance.tuning '{self.balance.tuning}' tunes the sparse attention's budget;"
+                " it needs model.attn_implementation: sparsebalance"
+            )
+        try:
+            self.balance.check_default_budget(self.sparsity.budget)
+        except UserError as error:
+            raise ValueError(str(error)) from None
         return self
 
     @property
@@ -139,19 +148,19 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def _describe(error: ValidationError, source: str) -> str:
     first = error.errors()[0]
-    key = ".".join(str(p) for p in first["loc"]) or "(top level)"
     kind = first["type"]
     if kind == "extra_forbidden":
         message = "unknown key"
     elif kind == "missing":
         message = "required key is missing"
     else:
-        message = first["msg"]
+        message = first["msg"].removeprefix("Value error, ")
         if "input" in first and not isinstance(first["input"], dict):
             message += f" (got {first['input']!r})"
+    key = ".".join(str(p) for p in first["loc"])
     more = len(error.errors()) - 1
     suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
-    return f"{source}: {key}: {message}{suffix}"
+    return f"{source}: {key + ': ' if key else ''}{message}{suffix}"
 
 
 def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:

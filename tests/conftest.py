@@ -12,6 +12,8 @@ second to build); tests that change files must copy them first (`tmp_path`).
 - `jsonl_corpus`: the same texts as a JSONL file with a `text` field.
 - `data_config`: a factory `data_config(**overrides) -> DataConfig` over `text_corpus_dir`, with
   its cache in a fresh temporary folder.
+- `write_recipe`: a factory `write_recipe(**sections) -> Path` of a small, fast training recipe
+  (the tiny model over `jsonl_corpus`); keyword sections update its defaults.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -90,5 +93,32 @@ def data_config(text_corpus_dir, tmp_path):
         values = {"path": str(text_corpus_dir), "cache_dir": str(tmp_path / "sbft_cache"), "max_seq_len": 2048}
         values.update(overrides)
         return DataConfig(**values)
+
+    return make
+
+
+@pytest.fixture
+def write_recipe(tiny_model_dir, jsonl_corpus, tmp_path):
+    """`write_recipe(**sections) -> Path`: a small, fast training recipe; keyword sections update the defaults."""
+
+    def make(**sections) -> Path:
+        recipe = {
+            "model": {"path": str(tiny_model_dir), "attn_implementation": "sdpa"},
+            "lora": {"r": 8, "alpha": 16},
+            "data": {"path": str(jsonl_corpus), "max_seq_len": 512, "cache_dir": str(tmp_path / "cache")},
+            "training": {
+                "output_dir": str(tmp_path / "run"),
+                "max_steps": 6,
+                "docs_per_rank": 2,
+                "learning_rate": 3e-3,
+                "lr_scheduler": "constant",
+                "tensorboard": False,
+            },
+        }
+        for name, values in sections.items():
+            recipe.setdefault(name, {}).update(values)
+        path = tmp_path / "recipe.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        return path
 
     return make

@@ -38,7 +38,13 @@ def test_round_trip_keeps_every_value(paths):
 def test_overrides_are_typed_and_nested(paths):
     recipe = load_recipe(
         write(paths["root"], minimal(paths)),
-        ["training.max_steps=7", "lora.target_modules=[q_proj,v_proj]", "sparsity.budget=0.25", "balance.tuning=bidirectional"],
+        [
+            "training.max_steps=7",
+            "lora.target_modules=[q_proj,v_proj]",
+            "sparsity.budget=0.25",
+            "model.attn_implementation=sparsebalance",
+            "balance.tuning=bidirectional",
+        ],
     )
     assert recipe.training.max_steps == 7
     assert recipe.lora.target_modules == ["q_proj", "v_proj"]
@@ -117,3 +123,16 @@ def test_override_through_a_scalar_is_refused(paths):
 def test_shipped_recipes_validate():
     for path in sorted(Path(__file__).parents[1].glob("recipes/*.yaml")):
         load_recipe(path, check_paths=False)
+
+
+def test_tuning_needs_the_sparse_attention(paths):
+    with pytest.raises(RecipeError, match="needs model.attn_implementation: sparsebalance"):
+        load_recipe(write(paths["root"], minimal(paths)), ["balance.tuning=bidirectional"])
+
+
+def test_default_budget_must_lie_within_the_tuning_bounds(paths):
+    with pytest.raises(RecipeError, match=r"sparsity.budget \(0.95\) lies outside"):
+        load_recipe(
+            write(paths["root"], minimal(paths)),
+            ["model.attn_implementation=sparsebalance", "balance.tuning=bidirectional", "sparsity.budget=0.95"],
+        )

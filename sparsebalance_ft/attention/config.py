@@ -23,9 +23,21 @@ class SparsityConfig(BaseModel):
     k_min: int = Field(4, ge=1, description="Fewest key blocks any query block keeps (anchors included).")
     k_max: int = Field(64, ge=1, description="Most key blocks a query block keeps at the default budget.")
     budget: float = Field(0.5, ge=0.0, le=1.0, description="Default budget; 1.0 means dense.")
-    dense_layers: list[int] = Field(default_factory=list, description="Layer indices that always run dense attention.")
-    backend: Literal["auto", "torch", "flex", "triton"] = "auto"
+    dense_layers: list[int] = Field(
+        default_factory=list,
+        description="Layer indices that always run dense attention (negative indices count from the last layer).",
+    )
+    backend: Literal["auto", "torch", "flex", "triton"] = Field(
+        "auto", description="auto: torch on CPU, flex (compiled FlexAttention) on CUDA when available."
+    )
     recall_samples: int = Field(4, ge=0, description="Query blocks per layer sampled each forward to measure recall.")
+    chunk_blocks: int = Field(
+        96, ge=1, description="Gathered key blocks per kernel call (bounds the working memory of the torch kernel)."
+    )
+    exact_dense_at_full_budget: bool = Field(
+        True,
+        description="At budget 1.0 (every causal block kept) compute with fused dense SDPA; the result is exact either way.",
+    )
 
     @model_validator(mode="after")
     def _caps_ordered(self) -> "SparsityConfig":

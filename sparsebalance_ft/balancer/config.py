@@ -37,6 +37,12 @@ class BalanceConfig(BaseModel):
             " alone (fastest step, most sparsity)."
         ),
     )
+    headroom: float = Field(
+        0.0,
+        ge=0.0,
+        lt=0.5,
+        description="Bidirectional: ranks that wait are raised only to (1 - headroom) x T*, a margin for prediction error.",
+    )
     grid_points: int = Field(
         17, ge=2, le=257, description="Budgets between min_budget and max_budget at which each rank's time is predicted."
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
@@ -82,10 +83,14 @@ def predict_times(cost_model, density_stats, micro_batches: Sequence[Sequence[in
         return out
     lengths = np.concatenate(batches)
     splits = np.cumsum([mb.size for mb in batches])[:-1]
-    for g, budget in enumerate(grid):
-        densities = np.asarray(density_stats.expected(lengths, float(budget)), dtype=np.float64)
+    budgets = np.asarray(grid, dtype=np.float64)
+    # one query for every (budget, document) pair: DensityStats.expected takes a budget per document
+    densities = np.asarray(
+        density_stats.expected(np.tile(lengths, budgets.size), np.repeat(budgets, lengths.size)), dtype=np.float64
+    ).reshape(budgets.size, lengths.size)
+    for g in range(budgets.size):
         out[g] = sum(
-            float(cost_model.micro_batch_time(mb, dens)) for mb, dens in zip(batches, np.split(densities, splits))
+            float(cost_model.micro_batch_time(mb, dens)) for mb, dens in zip(batches, np.split(densities[g], splits))
         )
     return out
 
@@ -167,6 +172,13 @@ class BalancerService:
         self.last_decision: BalanceDecision | None = None
         self._warned = 0
 
+    @classmethod
+    def from_recipe(cls, recipe, cost_model, density_stats, *, num_layers: int | None = None, group=None, **kwargs):
+        """The service a recipe asks for: `recipe.balance`, default budget `recipe.sparsity.budget`."""
+        return cls(
+            recipe.balance, cost_model, density_stats, recipe.sparsity.budget, num_layers=num_layers, group=group, **kwargs
+        )
+
     # -- distributed -----------------------------------------------------------------------
     @property
     def distributed(self) -> bool:
@@ -205,9 +217,14 @@ class BalancerService:
         """This rank's predicted compute seconds on the budget grid ([G]); raises on bad input."""
         return predict_times(self.cost_model, self.stats, micro_batches, self.grid)
 
-    def decide(self, micro_batches: Sequence[Sequence[int]]) -> BalanceDecision:
-        """Collective: call on every rank every step, with this rank's micro-batches' document lengths."""
+    def decide(self, micro_batches: Sequence[Sequence[int]], step: int | None = None) -> BalanceDecision:
+        """Collective: call on every rank every step, with this rank's micro-batches' document lengths.
+
+        `step` (optional) labels the decision; by default the service counts its own calls.
+        """
         started = time.perf_counter()
+        if step is not None:
+            self.step = int(step)
         rank, step, mode = self.rank, self.step, self.config.tuning
         self.step += 1
         grid_n = self.grid.size
@@ -240,6 +257,7 @@ class BalancerService:
                 self.config.max_budget,
                 mode,
                 self.config.target,
+                self.config.headroom,
             )
         except Exception as error:
             log.error("balancer step %d: tuner failed; every rank keeps the default budget", step, exc_info=True)
@@ -260,11 +278,16 @@ class BalancerService:
             sens = gathered[:, grid_n:]
             consensus = None
             if np.isfinite(sens).any():
-                with np.errstate(all="ignore"):
+                with np.errstate(all="ignore"), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)  # a layer no rank has measured yet
                     consensus = np.nanmean(np.where(np.isfinite(sens), sens, np.nan), axis=0)
-            per_layer = layer_budgets(
-                rank_budget, self.default_budget, consensus, layers, self.config.min_budget, self.config.max_budget
-            )
+            try:
+                per_layer = layer_budgets(
+                    rank_budget, self.default_budget, consensus, layers, self.config.min_budget, self.config.max_budget
+                )
+            except Exception:
+                self._warn("step %d: per-layer split failed; every layer gets the rank budget", step, exc_info=True)
+                per_layer = np.full(layers, rank_budget)
             budget = [float(b) for b in per_layer]
             rank_budget = float(np.mean(per_layer))
         decision = BalanceDecision(
@@ -331,7 +354,8 @@ class BalancerService:
             ratio = compute_time / predicted
             self.prediction_ratio = ratio if self.prediction_ratio is None else 0.9 * self.prediction_ratio + 0.1 * ratio
         if self.sync_stats and self.stats is not None and hasattr(self.stats, "sync"):
-            self.stats.sync()  # outside the try blocks: every rank reaches it
+            # outside the try blocks: every rank reaches this collective
+            self.stats.sync() if self.group is None else self.stats.sync(self.group)
 
     def _update_sensitivity(self, sample: np.ndarray) -> None:
         sample = np.clip(sample, 0.0, 1.0)

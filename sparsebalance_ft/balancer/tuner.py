@@ -81,17 +81,22 @@ def tune(
     max_budget: float,
     mode: str = "bidirectional",
     target: str = "mean",
+    headroom: float = 0.0,
 ) -> TuneResult:
     """Choose every rank's budget; see the module docstring for the rules.
 
     times: [R, G] predicted seconds of rank r at budget grid[g] (NaN/inf marks a missing prediction).
     grid:  [G] ascending budgets; tuned budgets are searched over the part of it in [MIN, MAX].
     MIN <= default <= MAX is required unless mode is ``none``.
+    headroom: ranks at or under T* are raised only up to T* * (1 - headroom) (never below the
+    default), leaving that share as a margin for prediction error; stragglers still aim at T*.
     """
     if mode not in MODES:
         raise ValueError(f"unknown tuning mode {mode!r}; expected one of {MODES}")
     if target not in TARGETS:
         raise ValueError(f"unknown target rule {target!r}; expected one of {TARGETS}")
+    if not 0.0 <= headroom < 1.0:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom}")
     times = np.asarray(times, dtype=np.float64)
     grid = np.asarray(grid, dtype=np.float64)
     if times.ndim != 2 or grid.ndim != 1 or times.shape[1] != grid.size or grid.size == 0:
@@ -102,8 +107,8 @@ def tune(
     n_ranks = times.shape[0]
 
     with np.errstate(invalid="ignore"):
-        valid = np.isfinite(times).all(axis=1) & (times >= 0).all(axis=1)
-    t = np.where(valid[:, None], times, 0.0)
+        valid = (times >= 0).all(axis=1) & (times < np.inf).all(axis=1)  # NaN fails both comparisons
+    t = times if valid.all() else np.where(valid[:, None], times, 0.0)
     t = np.maximum.accumulate(t, axis=1)  # more budget never predicted faster
     default_times = np.where(valid, _interp_rows(t, grid, d), np.nan)
     budgets = np.full(n_ranks, d)
@@ -114,18 +119,22 @@ def tune(
 
     if not (min_budget <= d <= max_budget):
         raise ValueError(f"default budget {d} lies outside [{min_budget}, {max_budget}]")
-    inside = (grid >= min_budget - 1e-12) & (grid <= max_budget + 1e-12)
-    g = grid[inside]
-    tb = t[:, inside]
+    first = int(np.searchsorted(grid, min_budget - 1e-12, side="left"))
+    last = int(np.searchsorted(grid, max_budget + 1e-12, side="right"))
+    g = grid[first:last]
+    tb = t[:, first:last]  # a view: the grid is ascending
     if g.size == 0 or not np.isclose(g[0], min_budget) or not np.isclose(g[-1], max_budget):
         raise ValueError("the budget grid must contain min_budget and max_budget (use budget_grid)")
 
     floor = float(tb[valid, 0].max())  # the slowest rank's time at MIN: no cut gets the step below it
     target_time = floor if target == "fastest" else max(float(default_times[valid].mean()), floor)
 
-    # Largest budget in [MIN, MAX] with predicted time <= T*: rows are monotone, so the points that
-    # meet T* are a prefix of length k; interpolate inside the first segment that crosses T*.
-    k = np.count_nonzero(tb <= target_time, axis=1)
+    # Largest budget in [MIN, MAX] whose predicted time is at most the rank's threshold (T* for
+    # stragglers, T*(1 - headroom) for the others): rows are monotone, so the grid points that
+    # meet it are a prefix of length k; interpolate inside the first segment that crosses it.
+    straggler = valid & (default_times > target_time)
+    threshold = np.where(straggler, target_time, target_time * (1.0 - headroom))
+    k = np.count_nonzero(tb <= threshold[:, None], axis=1)
     n = g.size
     lo_i = np.clip(k - 1, 0, n - 1)
     hi_i = np.clip(k, 0, n - 1)
@@ -134,18 +143,18 @@ def tune(
     g0, g1 = g[lo_i], g[hi_i]
     crossing = (k > 0) & (k < n)
     with np.errstate(invalid="ignore", divide="ignore"):
-        frac = np.where(crossing, (target_time - t0) / np.where(crossing, t1 - t0, 1.0), 0.0)
+        frac = np.where(crossing, (threshold - t0) / np.where(crossing, t1 - t0, 1.0), 0.0)
     best = np.where(k == 0, g[0], np.where(k == n, g[-1], g0 + frac * (g1 - g0)))
-    best_time = np.where(k == 0, tb[:, 0], np.where(k == n, tb[:, -1], np.minimum(t0 + frac * (t1 - t0), target_time)))
+    best_time = np.where(k == 0, tb[:, 0], np.where(k == n, tb[:, -1], np.minimum(t0 + frac * (t1 - t0), threshold)))
     best = np.clip(best, min_budget, max_budget)
 
     if mode == "straggler-only":
-        lower = valid & (default_times > target_time)
-        budgets = np.where(lower, np.minimum(best, d), d)
-        predicted = np.where(lower, best_time, default_times)
-    else:  # bidirectional
-        budgets = np.where(valid, best, d)
-        predicted = np.where(valid, best_time, np.nan)
+        budgets = np.where(straggler, np.minimum(best, d), d)
+        predicted = np.where(straggler, best_time, default_times)
+    else:  # bidirectional; with headroom a waiting rank may find no room above the default: it keeps it
+        keep = valid & ~straggler & (best <= d)
+        budgets = np.where(valid, np.where(keep, d, best), d)
+        predicted = np.where(valid, np.where(keep, default_times, best_time), np.nan)
     return TuneResult(budgets, predicted, default_times, target_time, valid)
 
 

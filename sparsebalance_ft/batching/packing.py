@@ -42,20 +42,21 @@ def next_fit(lengths: np.ndarray, cap: int) -> list[list[int]]:
 def first_fit_ranks(tokens: np.ndarray, k: int) -> list[np.ndarray]:
     """Token balancing as sample-packing tools do it: first-fit decreasing onto `k` rank bins.
 
-    Capacity is the even share `max(ceil(total / k), longest)`; a document that fits in no rank
-    goes to the rank with the fewest tokens. Returns `k` position arrays.
+    Capacity is the even share `ceil(total / k)`; a document that fits in no rank (one longer
+    than the share, or a leftover) goes to the rank with the fewest tokens. Returns `k` position
+    arrays.
     """
     t = np.asarray(tokens, dtype=np.int64)
     n = t.shape[0]
     owner = np.empty(n, dtype=np.int64)
     if n == 0:
         return [np.empty(0, dtype=np.int64) for _ in range(k)]
-    capacity = max(-(-int(t.sum()) // k), int(t.max()))
+    capacity = -(-int(t.sum()) // k)
     room = np.full(k, capacity, dtype=np.int64)
     for i in np.argsort(-t, kind="stable").tolist():
         ti = t[i]
         fits = room >= ti
-        r = int(np.argmax(fits)) if fits.any() else int(np.argmax(room))
+        r = int(np.argmax(fits)) if fits.any() else int(np.argmax(room))  # most room = fewest tokens
         owner[i] = r
         room[r] -= ti
     order = np.argsort(owner, kind="stable")

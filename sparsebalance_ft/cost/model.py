@@ -300,6 +300,11 @@ class ProfiledCostModel:
     model, `linear[k]` seconds at `tokens[k]`: piecewise linear. `attn_call_overhead` is paid once
     per layer per micro-batch; `micro_batch_overhead` once per micro-batch.
 
+    `attention_scope` says what the backend's attention costs in a packed micro-batch:
+    "document" (block-sparse or varlen kernels: each document attends within itself) or
+    "micro_batch" (dense kernels with a block-diagonal mask, e.g. sdpa/eager: the whole packed
+    sequence's L^2 is computed whatever the documents).
+
     Beyond the longest profiled length the power law of the last segment extrapolates and
     `extrapolate` decides: "warn" (once per model), "error" (`OutOfProfileError`) or "allow".
     Shorter documents than the shortest profiled length extrapolate silently (tiny cost).
@@ -316,6 +321,7 @@ class ProfiledCostModel:
     micro_batch_overhead: float = 0.0
     step_overhead: float = 0.0
     extrapolate: Literal["warn", "error", "allow"] = "warn"
+    attention_scope: Literal["document", "micro_batch"] = "document"
     meta: dict[str, Any] = field(default_factory=dict)
 
     _FLOOR = 1e-9
@@ -419,7 +425,13 @@ class ProfiledCostModel:
         L = _as_lengths(lengths)
         if L.size == 0:
             return 0.0
-        attention = float(self.attention_times(L, densities).sum())
+        if self.attention_scope == "micro_batch":
+            d = np.broadcast_to(np.asarray(densities, dtype=np.float64), L.shape) if np.ndim(densities) < 2 \
+                else np.asarray(densities, dtype=np.float64).mean(axis=1)
+            mean_d = float((d * L * L).sum() / max((L * L).sum(), 1.0))
+            attention = float(self.attention_times(np.array([L.sum()]), mean_d)[0])
+        else:
+            attention = float(self.attention_times(L, densities).sum())
         return (attention + float(self.linear_time(L.sum())) + self.num_layers * self.attn_call_overhead
                 + self.micro_batch_overhead)
 
@@ -434,6 +446,7 @@ class ProfiledCostModel:
             "attention": {"lengths": self.lengths.tolist(), "densities": self.densities.tolist(),
                           "seconds_per_layer": self.attn.tolist(), "call_overhead": self.attn_call_overhead},
             "linear": {"tokens": self.tokens.tolist(), "seconds": self.linear.tolist()},
+            "attention_scope": self.attention_scope,
             "micro_batch_overhead": self.micro_batch_overhead,
             "step_overhead": self.step_overhead,
         }
@@ -456,7 +469,8 @@ class ProfiledCostModel:
                        attn_call_overhead=float(att.get("call_overhead", 0.0)),
                        micro_batch_overhead=float(data.get("micro_batch_overhead", 0.0)),
                        step_overhead=float(data.get("step_overhead", 0.0)),
-                       extrapolate=extrapolate, meta=dict(data.get("meta", {})))
+                       extrapolate=extrapolate, attention_scope=data.get("attention_scope", "document"),
+                       meta=dict(data.get("meta", {})))
         except (KeyError, TypeError, ValueError) as error:
             raise ProfileError(f"{source}: malformed profile ({error})") from None
 

@@ -87,12 +87,18 @@ def make_passkey(
     rng: random.Random,
     tokenizer: Any | None = None,
     key_digits: int = 5,
+    fit: Literal["text", "prompt"] = "text",
 ) -> dict[str, Any]:
-    """One passkey record of about `length` tokens (never more) with the key at `depth` in [0, 1]."""
+    """One passkey record of about `length` tokens (never more) with the key at `depth` in [0, 1].
+
+    `fit="text"` sizes the full training text (prompt and answer), `fit="prompt"` the prompt
+    alone (what an evaluation feeds the model).
+    """
     _check_depth(depth)
     key = str(rng.randint(10 ** (key_digits - 1), 10**key_digits - 1))
     needle = PASSKEY_NEEDLE.format(key=key)
     answer_suffix = f" {key}."
+    sized_suffix = answer_suffix if fit == "text" else ""
     measure = length_function(tokenizer)
 
     def render(n: int) -> tuple[str, int, int]:
@@ -107,8 +113,8 @@ def make_passkey(
         return prompt, start, end
 
     unit = measure(" ".join(_filler(i) for i in range(20))) / 20
-    overhead = measure(render(0)[0] + answer_suffix)
-    n = _fit_units(lambda k: render(k)[0] + answer_suffix, length, measure, unit, overhead, "passkey")
+    overhead = measure(render(0)[0] + sized_suffix)
+    n = _fit_units(lambda k: render(k)[0] + sized_suffix, length, measure, unit, overhead, "passkey")
     prompt, start, end = render(n)
     text = prompt + answer_suffix
     before = round(depth * n)
@@ -138,8 +144,12 @@ def make_kv(
     depth: float,
     rng: random.Random,
     tokenizer: Any | None = None,
+    fit: Literal["text", "prompt"] = "text",
 ) -> dict[str, Any]:
-    """One key-value retrieval record: a JSON object of random hex pairs, the asked pair at `depth`."""
+    """One key-value retrieval record: a JSON object of random hex pairs, the asked pair at `depth`.
+
+    `fit` as for `make_passkey`.
+    """
     _check_depth(depth)
     measure = length_function(tokenizer)
     pairs: list[tuple[str, str]] = []
@@ -170,10 +180,11 @@ def make_kv(
         return prompt, start, end
 
     answer_suffix = f' "{target_value}"'
+    sized_suffix = answer_suffix if fit == "text" else ""
     ensure(8)
     unit = measure(", ".join(f'"{k}": "{v}"' for k, v in pairs[:8])) / 8
-    overhead = measure(render(0)[0] + answer_suffix)
-    n = _fit_units(lambda k: render(k)[0] + answer_suffix, length, measure, unit, overhead, "kv")
+    overhead = measure(render(0)[0] + sized_suffix)
+    n = _fit_units(lambda k: render(k)[0] + sized_suffix, length, measure, unit, overhead, "kv")
     prompt, start, end = render(n)
     text = prompt + answer_suffix
     return {
@@ -204,6 +215,7 @@ def generate(
     seed: int = 0,
     depths: Sequence[float] | None = None,
     tokenizer: Any | None = None,
+    fit: Literal["text", "prompt"] = "text",
 ) -> list[dict[str, Any]]:
     """`count` records of `task` at mixed lengths.
 
@@ -231,7 +243,7 @@ def generate(
         length, depth = grid[i % len(grid)]
         if depth is None:
             depth = rng.random()
-        record = GENERATORS[task](length, depth, rng, tokenizer=tokenizer)
+        record = GENERATORS[task](length, depth, rng, tokenizer=tokenizer, fit=fit)
         record["id"] = f"{task}-{seed}-{i}"
         records.append(record)
     return records

@@ -171,6 +171,20 @@ def retrieval_exact(prediction: str, reference: str) -> float:
     return float(match is not None and match.group(0) == reference.strip('"'))
 
 
+def position_accuracy(prediction: str, reference: str) -> float:
+    """Share of the reference's characters reproduced at their position by the prediction's first word.
+
+    A graded companion of `retrieval_exact` (partial credit for "71402" against "71432": 0.8),
+    useful while a small model learns to retrieve and exact match is still near zero.
+    """
+    reference = reference.strip().strip('"')
+    if not reference:
+        return 0.0
+    match = re.search(r"[0-9A-Za-z]+", prediction)
+    guess = match.group(0) if match else ""
+    return sum(a == b for a, b in zip(guess, reference)) / len(reference)
+
+
 Metric = Callable[[str, str], float]
 
 METRICS: dict[str, Metric] = {
@@ -185,6 +199,7 @@ METRICS: dict[str, Metric] = {
     "code_sim": code_similarity,
     "classification": exact_match,  # replaced by classification_score when classes are known
     "retrieval_exact": retrieval_exact,
+    "position_accuracy": position_accuracy,
 }
 
 

@@ -31,7 +31,8 @@ def launch_ranks(nproc: int, module_argv: list[str], module: str = "sbft_cli.app
     try:
         run(args)
     except ChildFailedError as error:
-        codes = sorted({failure.exitcode for failure in error.failures.values()})
-        rank, first = min(error.failures.items())
+        # Ranks the agent stopped show a negative (signal) exit code; the cause is the earliest other one.
+        failed = {rank: f for rank, f in error.failures.items() if f.exitcode > 0} or error.failures
+        rank, first = min(failed.items(), key=lambda item: (item[1].timestamp, item[0]))
         summary = f"rank {rank} failed with exit code {first.exitcode} (its error is printed above); all ranks were stopped"
-        raise RankFailed(2 if codes == [2] else 1, summary) from None
+        raise RankFailed(2 if first.exitcode == 2 else 1, summary) from None

@@ -21,7 +21,7 @@ from ..recipe import Recipe, dump_recipe
 from .balancing import build_balancing
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .metrics import MetricsWriter, RankRecord, gather_records, step_metrics
-from .model import load_model, resolve_mixed_precision
+from .model import load_model, load_tokenizer, resolve_mixed_precision
 from .optim import build_optimizer, build_scheduler
 from .progress import StepProgress
 from .step import run_local_step
@@ -101,16 +101,17 @@ def train(recipe: Recipe, resume: bool = False, console=None) -> dict:
         dump_recipe(recipe, out / "recipe.yaml")
     set_seed(recipe.training.seed)
 
-    model, tokenizer = load_model(recipe)
+    tokenizer = load_tokenizer(recipe)
+    with accelerator.main_process_first():  # the first rank tokenizes, the others reuse its cache
+        corpus = load_corpus(recipe.data, tokenizer)
+    if accelerator.is_main_process:
+        console.print(f"data: {corpus.describe()}", highlight=False)
+    model, _ = load_model(recipe)
     model.to(accelerator.device)
     params = [p for p in model.parameters() if p.requires_grad]
     _broadcast_trainable(params)
-    with accelerator.main_process_first():
-        corpus = load_corpus(recipe.data, tokenizer)
-    if accelerator.is_main_process:
-        console.print(f"data: {corpus.summary()}", highlight=False)
 
-    balancing = build_balancing(recipe, model, corpus.lengths, world, rank, accelerator.device)
+    balancing = build_balancing(recipe, model, corpus.lengths, world)
     steps_per_epoch = balancing.sampler.steps_per_epoch
     if steps_per_epoch == 0:
         raise RuntimeError("the dataset has fewer documents than one step needs; lower training.docs_per_rank")

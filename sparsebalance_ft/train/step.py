@@ -42,7 +42,9 @@ def micro_batch_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tenso
     packed before it; the caller divides by the step's global target count, which makes the
     gradient equal to that of the mean loss over every token of the step on every rank.
     """
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    # use_cache=False matters: with a cache, transformers skips packed-sequence detection and
+    # packed documents would attend to each other.
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     targets = batch["labels"][:, 1:]
     loss = F.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"

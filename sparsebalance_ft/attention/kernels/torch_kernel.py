@@ -1,0 +1,305 @@
+"""Exact block-sparse attention in PyTorch with its own autograd (CPU and GPU).
+
+Layout: ``q [B, Hq, L, D]``, ``k, v [B, Hkv, L, D]``, ``L`` a multiple of the block size. A *row* is one
+(batch, key-value head, query block); the GQA group's ``G = Hq / Hkv`` query heads of a row share its kept
+key blocks. ``block_indices [B, Hkv, nq, K]`` lists kept key blocks per row, the first
+``block_counts[b, h, i]`` entries valid. Within kept blocks the usual token-level causal rule applies
+(key position <= query position, and ``key > query - window`` with a sliding window).
+
+Forward, per chunk of rows (rows sorted by kept count so a chunk wastes little on padding slots):
+gather the chunk's kept key/value blocks (``index_select``, memory = kept blocks of the chunk only), build
+the chunk's additive token mask, and run softmax attention over exactly those keys, saving the
+log-sum-exp per query row. Backward recomputes per chunk from the saved log-sum-exp (never an L x L
+matrix), and scatters the key/value gradients back with ``index_add_``.
+
+Two engines compute a chunk: on CPU the fused flash kernel of ATen
+(``_scaled_dot_product_flash_attention_for_cpu`` and its backward, which take an additive mask and
+return the log-sum-exp); elsewhere, or when that op is missing, plain batched matmuls with float32
+accumulation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+def _cpu_flash_ops():
+    try:
+        fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+        return fwd, bwd
+    except (AttributeError, RuntimeError):  # pragma: no cover - older or stripped torch builds
+        return None
+
+
+_CPU_FLASH = _cpu_flash_ops()
+
+
+@dataclass
+class Plan:
+    """Rows of a call grouped into chunks; all index tensors are flat over rows R = B * Hkv * nq."""
+
+    gidx: torch.Tensor  # [R, K] kept key blocks as global indices into the flat [B*Hkv*nk] block list
+    lidx: torch.Tensor  # [R, K] kept key blocks as indices within the row's sequence
+    counts: torch.Tensor  # [R]
+    qblock: torch.Tensor  # [R] query block index of each row within its sequence
+    chunks: list[tuple[torch.Tensor, int]]  # (rows of the chunk, K of the chunk), masked path
+    # split path (every row keeps its diagonal block): the diagonal blocks in one causal call, the
+    # off-diagonal kept blocks (fully visible, no mask) in chunks of rows with equal off-diagonal counts
+    diag: torch.Tensor | None = None  # [R] global index of each row's diagonal block
+    off_gidx: torch.Tensor | None = None  # [R, K-1] off-diagonal kept blocks, compacted to the front
+    off_chunks: list[tuple[torch.Tensor, int]] | None = None
+
+
+def _group_chunks(counts: torch.Tensor, chunk_blocks: int) -> list[tuple[torch.Tensor, int]]:
+    """Rows with equal counts (count > 0) grouped, each group split so a chunk gathers <= chunk_blocks."""
+    order = torch.argsort(counts, stable=True)
+    sc = counts[order]
+    values, sizes = torch.unique_consecutive(sc, return_counts=True)
+    chunks = []
+    start = 0
+    for c, size in zip(values.tolist(), sizes.tolist()):
+        if c > 0:
+            per = max(1, chunk_blocks // c)
+            for a in range(start, start + size, per):
+                chunks.append((order[a:min(start + size, a + per)], c))
+        start += size
+    return chunks
+
+
+def make_plan(block_indices: torch.Tensor, block_counts: torch.Tensor | None, num_kv_blocks: int,
+              chunk_blocks: int = 96) -> Plan:
+    b, hkv, nq, kk = block_indices.shape
+    dev = block_indices.device
+    lidx = block_indices.reshape(b * hkv * nq, kk).long()
+    if block_counts is None:
+        counts = torch.full((b * hkv * nq,), kk, dtype=torch.long, device=dev)
+    else:
+        counts = block_counts.reshape(-1).long()
+    base = (torch.arange(b * hkv, device=dev) * num_kv_blocks).repeat_interleave(nq)
+    gidx = lidx + base[:, None]
+    qblock = torch.arange(nq, device=dev).repeat(b * hkv)
+    order = torch.argsort(counts, stable=True)
+    sorted_counts = counts[order].tolist()
+    chunks: list[tuple[torch.Tensor, int]] = []
+    start = 0
+    r = len(sorted_counts)
+    while start < r:
+        end = start + 1
+        kc = max(1, sorted_counts[start])
+        while end < r and (end - start + 1) * max(1, sorted_counts[end]) <= chunk_blocks:
+            kc = max(1, sorted_counts[end])
+            end += 1
+        chunks.append((order[start:end], kc))
+        start = end
+    plan = Plan(gidx, lidx, counts, qblock, chunks)
+    slot = torch.arange(kk, device=dev)
+    valid = slot[None, :] < counts[:, None]
+    is_diag = valid & (lidx == qblock[:, None])
+    if nq == num_kv_blocks and bool((is_diag.sum(-1) == 1).all()):
+        off = valid & ~is_diag
+        key = torch.where(off, slot[None, :], slot[None, :] + kk)
+        order2 = key.argsort(dim=-1, stable=True)
+        plan.off_gidx = gidx.gather(-1, order2)[:, : max(kk - 1, 1)].contiguous()
+        plan.diag = base + qblock
+        plan.off_chunks = _group_chunks(off.sum(-1), chunk_blocks)
+    return plan
+
+
+def _chunk_mask(plan: Plan, rows: torch.Tensor, kc: int, bs: int, window: int | None, dtype, device):
+    """Additive mask [n, 1, bs, kc*bs]: 0 where the key is kept and causally visible, -inf elsewhere."""
+    ar = torch.arange(bs, device=device)
+    li = plan.lidx[rows, :kc]
+    kpos = (li[:, :, None] * bs + ar).reshape(len(rows), 1, kc * bs)  # [n, 1, kc*bs]
+    qpos = (plan.qblock[rows, None] * bs + ar)[:, :, None]  # [n, bs, 1]
+    ok = kpos <= qpos
+    if window is not None:
+        ok &= kpos > qpos - window
+    valid = (torch.arange(kc, device=device)[None, :] < plan.counts[rows, None])  # [n, kc]
+    ok &= valid.repeat_interleave(bs, dim=1)[:, None, :]
+    mask = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, _NEG_INF)
+    return mask[:, None]
+
+
+def _use_cpu_flash(q: torch.Tensor) -> bool:
+    return _CPU_FLASH is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _fwd_chunk(qc, kg, vg, mask, scale, flash: bool):
+    """qc [n,G,bs,D], kg/vg [n,1,kc*bs,D], mask [n,1,bs,kc*bs] -> (out [n,G,bs,D], lse [n,G,bs] fp32)."""
+    n, g = qc.shape[:2]
+    if flash:
+        out, lse = _CPU_FLASH[0](qc, kg.expand(n, g, *kg.shape[2:]), vg.expand(n, g, *vg.shape[2:]),
+                                 attn_mask=mask, scale=scale)
+        return out, lse
+    acc = _lse_dtype(qc.dtype)
+    s = torch.matmul(qc.to(acc), kg.to(acc).transpose(-1, -2)).mul_(scale).add_(mask.to(acc))
+    m = s.amax(-1, keepdim=True)
+    s.sub_(m).exp_()
+    l_ = s.sum(-1, keepdim=True)
+    out = torch.matmul(s, vg.to(acc)).div_(l_)
+    return out.to(qc.dtype), (m + l_.log()).squeeze(-1)
+
+
+def _lse_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _bwd_chunk(go, qc, kg, vg, out, lse, mask, scale, flash: bool):
+    """Returns dq [n,G,bs,D], dk [n,kc*bs,D], dv [n,kc*bs,D] (the latter two summed over the group)."""
+    n, g = qc.shape[:2]
+    if flash:
+        gq, gk, gv = _CPU_FLASH[1](go, qc, kg.expand(n, g, *kg.shape[2:]), vg.expand(n, g, *vg.shape[2:]),
+                                   out, lse, 0.0, False, attn_mask=mask, scale=scale)
+        return gq, gk.sum(1), gv.sum(1)
+    acc = _lse_dtype(qc.dtype)
+    qf, kf, vf, gof = qc.to(acc), kg.to(acc), vg.to(acc), go.to(acc)
+    p = torch.matmul(qf, kf.transpose(-1, -2)).mul_(scale).add_(mask.to(acc)).sub_(lse[..., None]).exp_()
+    delta = (gof * out.to(acc)).sum(-1, keepdim=True)
+    dv = torch.matmul(p.transpose(-1, -2), gof).sum(1)
+    dp = torch.matmul(gof, vf.transpose(-1, -2))
+    ds = dp.sub_(delta).mul_(p)
+    dq = torch.matmul(ds, kf.squeeze(1)).mul_(scale)
+    dk = torch.matmul(ds.transpose(-1, -2), qf).sum(1).mul_(scale)
+    return dq.to(qc.dtype), dk, dv
+
+
+def _rows_view(q: torch.Tensor, hkv: int, bs: int) -> torch.Tensor:
+    """[B, Hq, L, D] -> [R, G, bs, D] (a copy)."""
+    b, hq, L, d = q.shape
+    g = hq // hkv
+    nq = L // bs
+    return q.reshape(b, hkv, g, nq, bs, d).permute(0, 1, 3, 2, 4, 5).reshape(b * hkv * nq, g, bs, d)
+
+
+def _rows_unview(x: torch.Tensor, b: int, hkv: int, bs: int) -> torch.Tensor:
+    """[R, G, bs, D] -> [B, Hq, L, D]."""
+    r, g, _, d = x.shape
+    nq = r // (b * hkv)
+    return x.reshape(b, hkv, nq, g, bs, d).permute(0, 1, 3, 2, 4, 5).reshape(b, hkv * g, nq * bs, d)
+
+
+def _split_forward(qr, kb, vb, plan: Plan, bs: int, scale: float):
+    """Diagonal blocks (one causal flash call over all rows) merged by log-sum-exp with the
+    off-diagonal kept blocks (unmasked flash calls per chunk of equal-count rows)."""
+    r, g, _, d = qr.shape
+    fwd = _CPU_FLASH[0]
+    kd = kb.index_select(0, plan.diag).view(r, 1, bs, d)
+    vd = vb.index_select(0, plan.diag).view(r, 1, bs, d)
+    out, lse = fwd(qr, kd.expand(r, g, bs, d), vd.expand(r, g, bs, d), is_causal=True, scale=scale)
+    out = out.contiguous()
+    lse = lse.contiguous()
+    for rows, c in plan.off_chunks:
+        n = rows.numel()
+        gi = plan.off_gidx[rows, :c].reshape(-1)
+        kg = kb.index_select(0, gi).view(n, 1, c * bs, d)
+        vg = vb.index_select(0, gi).view(n, 1, c * bs, d)
+        o2, l2 = fwd(qr.index_select(0, rows).view(n, 1, g * bs, d), kg, vg, scale=scale)
+        o1 = out.index_select(0, rows)
+        l1 = lse.index_select(0, rows)
+        l2 = l2.view(n, g, bs)
+        lt = torch.logaddexp(l1, l2)
+        w1 = (l1 - lt).exp_().unsqueeze(-1)
+        w2 = (l2 - lt).exp_().unsqueeze(-1)
+        merged = o1.mul_(w1.to(o1.dtype)).add_(o2.view(n, g, bs, d).mul(w2.to(o1.dtype)))
+        out.index_copy_(0, rows, merged)
+        lse.index_copy_(0, rows, lt)
+    return out, lse
+
+
+def _split_backward(go, qr, kb, vb, out, lse, plan: Plan, bs: int, scale: float):
+    """Each part's flash backward with the *merged* output and log-sum-exp gives exactly that part's
+    share of the gradient (P = exp(S - lse_total), delta = rowsum(dO * O_total))."""
+    r, g, _, d = qr.shape
+    bwd = _CPU_FLASH[1]
+    kd = kb.index_select(0, plan.diag).view(r, 1, bs, d)
+    vd = vb.index_select(0, plan.diag).view(r, 1, bs, d)
+    dq, gkd, gvd = bwd(go, qr, kd.expand(r, g, bs, d), vd.expand(r, g, bs, d), out, lse, 0.0, True, scale=scale)
+    dq = dq.contiguous()
+    acc = torch.float32 if kb.dtype in (torch.float16, torch.bfloat16) else kb.dtype
+    dk = torch.zeros(kb.shape, dtype=acc, device=kb.device)
+    dv = torch.zeros(vb.shape, dtype=acc, device=vb.device)
+    dk.index_add_(0, plan.diag, gkd.sum(1, dtype=acc))
+    dv.index_add_(0, plan.diag, gvd.sum(1, dtype=acc))
+    for rows, c in plan.off_chunks:
+        n = rows.numel()
+        gi = plan.off_gidx[rows, :c].reshape(-1)
+        kg = kb.index_select(0, gi).view(n, 1, c * bs, d)
+        vg = vb.index_select(0, gi).view(n, 1, c * bs, d)
+        gq, gk, gv = bwd(go.index_select(0, rows).view(n, 1, g * bs, d), qr.index_select(0, rows).view(n, 1, g * bs, d),
+                         kg, vg, out.index_select(0, rows).view(n, 1, g * bs, d),
+                         lse.index_select(0, rows).view(n, 1, g * bs), 0.0, False, scale=scale)
+        dq.index_add_(0, rows, gq.view(n, g, bs, d))
+        dk.index_add_(0, gi, gk.reshape(n * c, bs, d).to(acc))
+        dv.index_add_(0, gi, gv.reshape(n * c, bs, d).to(acc))
+    return dq, dk.to(kb.dtype), dv.to(vb.dtype)
+
+
+class BlockSparseAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: Plan, bs: int, scale: float, window: int | None):
+        b, hq, L, d = q.shape
+        hkv = k.shape[1]
+        flash = _use_cpu_flash(q)
+        qr = _rows_view(q, hkv, bs)
+        kb = k.reshape(b * hkv * (k.shape[2] // bs), bs, d)
+        vb = v.reshape(b * hkv * (v.shape[2] // bs), bs, d)
+        split = flash and window is None and plan.diag is not None
+        if split:
+            out, lse = _split_forward(qr, kb, vb, plan, bs, scale)
+            ctx.save_for_backward(qr, kb, vb, out, lse)
+            ctx.meta = (plan, bs, scale, window, b, hkv, tuple(k.shape), flash, split)
+            return _rows_unview(out, b, hkv, bs)
+        out = torch.empty_like(qr)
+        lse = torch.empty(qr.shape[:3], dtype=_lse_dtype(q.dtype), device=q.device)
+        mdtype = q.dtype if flash else _lse_dtype(q.dtype)
+        for rows, kc in plan.chunks:
+            gi = plan.gidx[rows, :kc].reshape(-1)
+            n = rows.numel()
+            kg = kb.index_select(0, gi).view(n, 1, kc * bs, d)
+            vg = vb.index_select(0, gi).view(n, 1, kc * bs, d)
+            mask = _chunk_mask(plan, rows, kc, bs, window, mdtype, q.device)
+            o, l_ = _fwd_chunk(qr.index_select(0, rows), kg, vg, mask, scale, flash)
+            out.index_copy_(0, rows, o)
+            lse.index_copy_(0, rows, l_)
+        ctx.save_for_backward(qr, kb, vb, out, lse)
+        ctx.meta = (plan, bs, scale, window, b, hkv, tuple(k.shape), flash, split)
+        return _rows_unview(out, b, hkv, bs)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qr, kb, vb, out, lse = ctx.saved_tensors
+        plan, bs, scale, window, b, hkv, kshape, flash, split = ctx.meta
+        d = qr.shape[-1]
+        go = _rows_view(grad_out.contiguous(), hkv, bs)
+        if split:
+            dq, dk, dv = _split_backward(go, qr, kb, vb, out, lse, plan, bs, scale)
+            return _rows_unview(dq, b, hkv, bs), dk.reshape(kshape), dv.reshape(kshape), None, None, None, None
+        dq = torch.zeros_like(qr)
+        acc = torch.float32 if kb.dtype in (torch.float16, torch.bfloat16) else kb.dtype
+        dk = torch.zeros(kb.shape, dtype=acc, device=kb.device)
+        dv = torch.zeros(vb.shape, dtype=acc, device=vb.device)
+        mdtype = qr.dtype if flash else _lse_dtype(qr.dtype)
+        lse_in = lse
+        for rows, kc in plan.chunks:
+            gi = plan.gidx[rows, :kc].reshape(-1)
+            n = rows.numel()
+            kg = kb.index_select(0, gi).view(n, 1, kc * bs, d)
+            vg = vb.index_select(0, gi).view(n, 1, kc * bs, d)
+            mask = _chunk_mask(plan, rows, kc, bs, window, mdtype, qr.device)
+            gq, gk, gv = _bwd_chunk(go.index_select(0, rows), qr.index_select(0, rows), kg, vg,
+                                    out.index_select(0, rows), lse_in.index_select(0, rows), mask, scale, flash)
+            dq.index_copy_(0, rows, gq.to(dq.dtype))
+            dk.index_add_(0, gi, gk.reshape(n * kc, bs, d).to(acc))
+            dv.index_add_(0, gi, gv.reshape(n * kc, bs, d).to(acc))
+        dq = _rows_unview(dq, b, hkv, bs)
+        dk = dk.to(kb.dtype).reshape(kshape)
+        dv = dv.to(vb.dtype).reshape(kshape)
+        return dq, dk, dv, None, None, None, None
+
+
+def torch_block_sparse_attention(q, k, v, plan: Plan, block_size: int, scale: float, window: int | None = None):
+    return BlockSparseAttentionFn.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, block_size, scale, window)

@@ -1,0 +1,297 @@
+"""Replay an epoch (or N steps) of every batching policy, with and without budget tuning.
+
+Nothing here is a second copy of the training's logic: plans come from `batching.BatchSampler`,
+times from the `CostModel`, predictions from `DensityStats` (through `DensityModel`), budgets from
+`balancer.tuner.tune` (through a `TuningHook`, so another tuner can be plugged in).
+
+Per step and policy: the sampler plans the step with `doc_cost` = the cost model at the predicted
+density at the default budget; each rank's predicted time at every budget of the tuner's grid is
+summed over its micro-batches; the hook picks per-rank budgets; the rank's simulated compute time
+is the cost model at each document's *true* density at the rank's budget. Per micro-batch, the
+cost model's non-additive part (`micro_batch_time - sum(doc_times)`: overheads, packing effects) is
+taken once at the default budget and added at every budget.
+
+Figures (compute = per-rank forward+backward time; step time = max over ranks + step overhead):
+- `epoch_time`: sum of step times; `step_time`: its mean per step;
+- `imbalance`: sum over steps of max-rank compute / sum of mean-rank compute;
+- `bubble`: 1 - sum(mean) / sum(max), the share of rank-time spent waiting;
+- `speedup`: epoch time of `random` without tuning / this epoch time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..batching import POLICIES, BatchSampler, StepPlan
+from ..cost.model import CostModel
+from .density import DensityModel, Knowledge
+
+TuningHook = Callable[[np.ndarray, np.ndarray], np.ndarray]
+"""(predicted times [ranks, grid], grid [budgets ascending]) -> per-rank budgets [ranks]."""
+
+TUNING_MODES = ("none", "straggler-only", "bidirectional")
+
+
+def tuner_hook(mode: str, default_budget: float, min_budget: float, max_budget: float, target: str = "mean") -> TuningHook | None:
+    """The balancer's own tuner (`balancer.tuner.tune`) as a hook; None for mode `none`."""
+    if mode == "none":
+        return None
+    from ..balancer.tuner import tune
+
+    def hook(times: np.ndarray, grid: np.ndarray) -> np.ndarray:
+        return tune(times, grid, default_budget, min_budget, max_budget, mode=mode, target=target).budgets
+
+    return hook
+
+
+def budget_grid(min_budget: float, max_budget: float, default_budget: float, points: int) -> np.ndarray:
+    from ..balancer.tuner import budget_grid as grid
+
+    return grid(min_budget, max_budget, default_budget, points)
+
+
+def flops_a_of(cost: CostModel, density: float = 1.0) -> float:
+    """`a` of the FLOP proxy a*L + L^2 that matches a cost model's dense time (peers see no sparsity)."""
+    L = np.array([2048.0, 8192.0])
+    t = np.asarray(cost.doc_times(L, np.full(2, density)), dtype=np.float64)
+    # t = c1 L + c2 L^2  ->  solve the 2x2 system
+    A = np.stack([L, L * L], axis=1)
+    c1, c2 = np.linalg.solve(A, t)
+    if not (np.isfinite(c1) and np.isfinite(c2)) or c2 <= 0 or c1 <= 0:
+        from ..batching import DEFAULT_FLOPS_A
+
+        return DEFAULT_FLOPS_A
+    return float(c1 / c2)
+
+
+@dataclass
+class SimConfig:
+    world_size: int
+    docs_per_rank: int = 4
+    token_cap: int = 131072
+    seed: int = 0
+    policies: tuple[str, ...] = POLICIES
+    tuning: tuple[str, ...] = ("none", "bidirectional")
+    knowledge: Knowledge = "stats"
+    default_budget: float = 0.5
+    min_budget: float = 0.1
+    max_budget: float = 0.9
+    grid_points: int = 17
+    target: str = "mean"
+    steps: int | None = None  # None: one full epoch
+    bucket_steps: int = 32
+    record_steps: int = 4
+    flops_a: float | None = None
+    ablate_bucketing: bool = False  # also run `sparsebalance` without cross-step bucketing
+
+
+NO_BUCKET = "sparsebalance-nobucket"
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    tuning: str
+    steps: int
+    epoch_time: float
+    step_time: float
+    imbalance: float
+    imbalance_step_mean: float
+    bubble: float
+    speedup: float = float("nan")
+    mean_budget: float = float("nan")
+    mean_density: float = float("nan")
+    micro_batches: float = float("nan")
+    plan_seconds: float = 0.0
+    rank_loads: list[list[float]] = field(default_factory=list)  # first record_steps steps, per rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    num_docs: int
+    cost_model: dict[str, Any]
+    rows: list[PolicyResult]
+
+    def row(self, policy: str, tuning: str = "none") -> PolicyResult:
+        for r in self.rows:
+            if r.policy == policy and r.tuning == tuning:
+                return r
+        raise KeyError((policy, tuning))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": asdict(self.config), "num_docs": self.num_docs, "cost_model": self.cost_model,
+                "rows": [r.to_dict() for r in self.rows]}
+
+
+def _describe(cost: Any) -> dict[str, Any]:
+    try:
+        return dict(cost.describe())
+    except Exception:
+        return {"kind": type(cost).__name__}
+
+
+def _flatten(plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    docs, ranks, mbs = [], [], []
+    gm = 0
+    for r, rank_mbs in enumerate(plan.micro_batches):
+        for mb in rank_mbs:
+            if mb:
+                docs.extend(mb)
+                ranks.extend([r] * len(mb))
+                mbs.extend([gm] * len(mb))
+                gm += 1
+    return (np.asarray(docs, dtype=np.int64), np.asarray(ranks, dtype=np.int64), np.asarray(mbs, dtype=np.int64))
+
+
+def simulate(
+    lengths: np.ndarray,
+    cost: CostModel,
+    density: DensityModel,
+    config: SimConfig,
+    hooks: dict[str, TuningHook | None] | None = None,
+) -> SimResult:
+    """Replay `config.steps` (default: one epoch) for every policy and tuning mode."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    R = int(config.world_size)
+    b0 = float(config.default_budget)
+    grid = budget_grid(config.min_budget, config.max_budget, b0, config.grid_points)
+    if hooks is None:
+        hooks = {m: tuner_hook(m, b0, config.min_budget, config.max_budget, config.target) for m in config.tuning}
+    flops_a = config.flops_a if config.flops_a is not None else flops_a_of(cost)
+    predict = density.predictor(config.knowledge)
+
+    def doc_cost(idx: np.ndarray) -> np.ndarray:
+        return np.asarray(cost.doc_times(lengths[idx], predict(idx, b0)), dtype=np.float64)
+
+    step_overhead = float(getattr(cost, "step_overhead", 0.0) or 0.0)
+    rows: list[PolicyResult] = []
+    runs = [(p, p, config.bucket_steps) for p in config.policies]
+    if config.ablate_bucketing and "sparsebalance" in config.policies:
+        runs.append((NO_BUCKET, "sparsebalance", 1))
+    for label, policy, bucket_steps in runs:
+        sampler = BatchSampler(lengths, R, policy, config.token_cap, config.docs_per_rank, config.seed, doc_cost,
+                               flops_a=flops_a, bucket_steps=bucket_steps)
+        n_steps = sampler.steps_per_epoch if config.steps is None else min(int(config.steps), sampler.steps_per_epoch)
+        t0 = time.perf_counter()
+        plans = [sampler.plan(0, s) for s in range(n_steps)]
+        plan_seconds = time.perf_counter() - t0
+        acc = {m: {"max": [], "mean": [], "budget": [], "dens_num": 0.0, "dens_den": 0.0, "loads": []} for m in hooks}
+        n_mb = []
+        for s, plan in enumerate(plans):
+            n_mb.append(plan.num_micro_batches)
+            docs, ranks, mbs = _flatten(plan)
+            L = lengths[docs]
+            n_real = int(mbs.max()) + 1 if mbs.size else 0
+            # non-additive part of each micro-batch (overheads), taken at the default budget
+            d0 = predict(docs, b0)
+            add0 = np.asarray(cost.doc_times(L, d0), dtype=np.float64)
+            corr_r = np.zeros(R)
+            if n_real:
+                starts = np.flatnonzero(np.r_[True, mbs[1:] != mbs[:-1]])
+                ends = np.r_[starts[1:], mbs.size]
+                for a, e in zip(starts.tolist(), ends.tolist()):
+                    c = float(cost.micro_batch_time(L[a:e], d0[a:e])) - float(add0[a:e].sum())
+                    corr_r[ranks[a]] += c
+            for mode, hook in hooks.items():
+                if hook is None or docs.size == 0:
+                    budgets = np.full(R, b0)
+                else:
+                    G = grid.size
+                    dg = predict(np.repeat(docs, G), np.tile(grid, docs.size)).reshape(docs.size, G)
+                    tg = np.asarray(cost.doc_times(np.repeat(L, G), dg.reshape(-1)), dtype=np.float64).reshape(docs.size, G)
+                    pred = np.zeros((R, G))
+                    np.add.at(pred, ranks, tg)
+                    pred += corr_r[:, None]
+                    has = np.bincount(ranks, minlength=R) > 0
+                    budgets = np.full(R, b0)
+                    sub = np.asarray(hook(pred[has], grid), dtype=np.float64)
+                    budgets[has] = sub
+                bd = budgets[ranks]
+                dt = density.true(docs, bd)
+                t_docs = np.asarray(cost.doc_times(L, dt), dtype=np.float64)
+                compute = np.bincount(ranks, weights=t_docs, minlength=R) + corr_r
+                a = acc[mode]
+                a["max"].append(float(compute.max()))
+                a["mean"].append(float(compute.mean()))
+                busy = np.bincount(ranks, minlength=R) > 0
+                a["budget"].append(float(budgets[busy].mean()) if busy.any() else b0)
+                a["dens_num"] += float((dt * L).sum())
+                a["dens_den"] += float(L.sum())
+                if s < config.record_steps:
+                    a["loads"].append(compute.tolist())
+        for mode, a in acc.items():
+            mx, mn = np.asarray(a["max"]), np.asarray(a["mean"])
+            epoch = float(mx.sum() + step_overhead * len(mx))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                per_step = np.where(mn > 0, mx / np.where(mn > 0, mn, 1.0), 1.0)
+            rows.append(PolicyResult(
+                policy=label, tuning=mode, steps=len(mx), epoch_time=epoch,
+                step_time=epoch / max(len(mx), 1),
+                imbalance=float(mx.sum() / mn.sum()) if mn.sum() > 0 else 1.0,
+                imbalance_step_mean=float(per_step.mean()) if per_step.size else 1.0,
+                bubble=float(1.0 - mn.sum() / mx.sum()) if mx.sum() > 0 else 0.0,
+                mean_budget=float(np.mean(a["budget"])) if a["budget"] else b0,
+                mean_density=a["dens_num"] / a["dens_den"] if a["dens_den"] else float("nan"),
+                micro_batches=float(np.mean(n_mb)) if n_mb else 0.0,
+                plan_seconds=plan_seconds, rank_loads=a["loads"],
+            ))
+    base = next((r for r in rows if r.policy == "random" and r.tuning == "none"), None)
+    for r in rows:
+        r.speedup = base.epoch_time / r.epoch_time if base is not None and r.epoch_time > 0 else float("nan")
+    return SimResult(config, int(lengths.size), _describe(cost), rows)
+
+
+def simulate_ranks(
+    lengths: np.ndarray,
+    cost: CostModel,
+    density: DensityModel,
+    config: SimConfig,
+    world_sizes: Sequence[int],
+) -> list[SimResult]:
+    """`simulate` at several world sizes (same documents, densities and settings)."""
+    out = []
+    for R in world_sizes:
+        cfg = SimConfig(**{**asdict(config), "world_size": int(R)})
+        out.append(simulate(lengths, cost, density, cfg))
+    return out
+
+
+def time_partition(
+    num_docs: int = 100_000,
+    world_size: int = 1024,
+    docs_per_rank: int = 4,
+    policies: Sequence[str] = POLICIES,
+    token_cap: int = 131072,
+    seed: int = 0,
+    cost: CostModel | None = None,
+) -> dict[str, dict[str, float]]:
+    """Seconds to plan every step of an epoch of `num_docs` lognormal documents, per policy.
+
+    Also times one window holding every document (`docs_per_rank = ceil(num_docs / world_size)`).
+    """
+    from ..cost.model import AnalyticCostModel
+    from .lengths import synthetic_lengths
+
+    cost = cost or AnalyticCostModel.llama_8b()
+    L = synthetic_lengths(num_docs, 4096, 1.2, token_cap, seed)
+    doc_cost = lambda idx: np.asarray(cost.doc_times(L[idx], 0.3), dtype=np.float64)  # noqa: E731
+    out: dict[str, dict[str, float]] = {}
+    one_window = -(-num_docs // world_size)
+    for policy in policies:
+        row: dict[str, float] = {}
+        for label, dpr in (("epoch", docs_per_rank), ("one_window", one_window)):
+            t0 = time.perf_counter()
+            s = BatchSampler(L, world_size, policy, token_cap, dpr, seed, doc_cost)
+            for step in range(s.steps_per_epoch):
+                s.plan(0, step)
+            row[label] = time.perf_counter() - t0
+            row[f"{label}_steps"] = s.steps_per_epoch
+        out[policy] = row
+    return out

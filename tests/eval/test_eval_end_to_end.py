@@ -1,0 +1,146 @@
+"""`sbft eval` end to end on the tiny random model: it runs and writes its results (accuracy may be 0)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sparsebalance_ft.eval.api import evaluate, resolve_checkpoint
+from sparsebalance_ft.eval.errors import EvalOptionError
+
+
+def test_passkey_cli_writes_json_predictions_heatmap(cli, eval_recipe_path, adapter_dir, tmp_path):
+    out = tmp_path / "out"
+    result = cli(
+        "eval", eval_recipe_path, "--task", "passkey", "--checkpoint", adapter_dir,
+        "--lengths", "128,256", "--depths", "0,100", "--samples", "1", "--out", out, "--batch-size", "2",
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "passkey_dense.json").read_text())
+    assert data["task"] == "passkey" and data["attention"] == "dense"
+    assert data["n"] == 4 and 0.0 <= data["accuracy"] <= 1.0
+    assert set(data["by_length"]) == {"128", "256"}
+    assert data["grid"]["cols"] == [128, 256] and data["grid"]["rows"] == [0.0, 1.0]
+    assert data["checkpoint"] == str(adapter_dir) and data["mean_recall"] is None
+    predictions = (out / "passkey_dense_predictions.jsonl").read_text().splitlines()
+    assert len(predictions) == 4 and "prediction" in json.loads(predictions[0])
+    assert (out / "passkey_dense_heatmap.png").stat().st_size > 1000
+    assert "passkey accuracy" in result.output
+
+
+def test_needle_cli(cli, eval_recipe_path, text_corpus_dir, tmp_path):
+    out = tmp_path / "needle"
+    result = cli(
+        "eval", eval_recipe_path, "--task", "needle", "--haystack", text_corpus_dir,
+        "--lengths", "200", "--depths", "0,0.5,1", "--out", out, "--max-new-tokens", "4",
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "needle_dense.json").read_text())
+    assert data["n"] == 3 and data["grid"]["rows"] == [0.0, 0.5, 1.0]
+    assert (out / "needle_dense_heatmap.png").is_file()
+
+
+def _longbench_rows():
+    base = {"context": "The capital of France is Paris. " * 30, "input": "What is the capital of France?", "length": 180}
+    return [
+        {**base, "answers": ["Paris"], "dataset": "hotpotqa"},
+        {**base, "answers": ["Paris is the capital."], "dataset": "gov_report"},
+        {**base, "context": "def f(x):\n    y = x\n", "input": "", "answers": ["return y"], "dataset": "lcc"},
+    ]
+
+
+def test_longbench_cli(cli, eval_recipe_path, tmp_path):
+    data_file = tmp_path / "lb.jsonl"
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in _longbench_rows()))
+    out = tmp_path / "lb"
+    result = cli("eval", eval_recipe_path, "--task", "longbench", "--data", data_file, "--out", out, "--max-new-tokens", "6")
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "longbench_dense.json").read_text())
+    assert set(data["datasets"]) == {"hotpotqa", "gov_report", "lcc"}
+    assert data["datasets"]["lcc"]["metric"] == "code_sim"
+    assert all(0.0 <= d["score"] <= 100.0 for d in data["datasets"].values())
+
+
+def test_cli_errors_are_one_line_exit_2(cli, eval_recipe_path, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(_longbench_rows()[0]) + "\n{oops\n")
+    result = cli("eval", eval_recipe_path, "--task", "longbench", "--data", bad)
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip() and "Loading weights" not in line]
+    assert lines[-1].startswith("error: ") and f"{bad}:2:" in "".join(lines).replace("\n", "")
+
+    missing = cli("eval", eval_recipe_path, "--task", "longbench", "--data", tmp_path / "nope.jsonl")
+    assert missing.exit_code == 2 and "nope.jsonl" in missing.output and "not found" in missing.output
+
+    for args, message in (
+        (("--task", "bogus"), "unknown task"),
+        (("--task", "passkey", "--attention", "half"), "--attention"),
+        (("--task", "passkey", "--checkpoint", tmp_path), "holds no LoRA adapter"),
+        (("--task", "passkey", "--lengths", "100000"), "exceeds the model's context"),
+        (("--task", "needle", "--haystack", tmp_path / "nowhere", "--lengths", "128"), "haystack path not found"),
+    ):
+        result = cli("eval", eval_recipe_path, *args)
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.output.replace("\n", ""), (args, result.output)
+
+    missing_recipe = cli("eval", tmp_path / "absent.yaml", "--task", "passkey")
+    assert missing_recipe.exit_code == 2
+
+
+def test_checkpoint_kinds(tmp_path, adapter_dir, tiny_model_dir, eval_recipe):
+    import shutil
+
+    import torch
+
+    from sparsebalance_ft.train.checkpoint import trainable_state
+    from sparsebalance_ft.train.model import load_model
+
+    assert resolve_checkpoint(adapter_dir) == ("adapter", adapter_dir)
+    run = tmp_path / "run"
+    shutil.copytree(adapter_dir, run / "adapter")
+    assert resolve_checkpoint(run) == ("adapter", run / "adapter")
+    assert resolve_checkpoint(tiny_model_dir) == ("full", tiny_model_dir)
+    with pytest.raises(EvalOptionError):
+        resolve_checkpoint(tmp_path / "missing")
+
+    # A training checkpoint (trainable weights only) loads into a fresh adapter from the recipe.
+    model, _ = load_model(eval_recipe)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.01)
+    ckpt = tmp_path / "out" / "checkpoint-3"
+    ckpt.mkdir(parents=True)
+    torch.save(trainable_state(model), ckpt / "trainable_weights.pt")
+    (ckpt / "COMPLETE").write_text("3\n")
+    assert resolve_checkpoint(tmp_path / "out") == ("trainable", ckpt)
+
+    from sparsebalance_ft.eval.api import load_for_eval
+
+    loaded, _, controller = load_for_eval(eval_recipe, tmp_path / "out")
+    assert controller is None
+    merged, _ = load_model(eval_recipe, trainable=False)
+    merged = merged.merge_and_unload()
+    reference = dict(merged.named_parameters())
+    names = [n for n, _ in loaded.named_parameters() if n.endswith("q_proj.weight")]
+    assert names
+    base = dict(model.named_parameters())  # unmerged: the loaded one must differ from the plain base by the LoRA delta
+    assert not torch.allclose(dict(loaded.named_parameters())[names[0]], reference[names[0]])
+
+
+def test_evaluate_api_without_writing(eval_recipe):
+    result = evaluate(eval_recipe, "kv", lengths=[160], depths=[0.5], samples=2, out_dir=None, show_progress=False)
+    assert result["n"] == 2 and "files" not in result and result["context"] == 512
+
+
+def test_sparse_attention_reports_recall(eval_recipe, tmp_path):
+    attention = pytest.importorskip("sparsebalance_ft.attention")
+    if not hasattr(attention, "SparseAttentionController"):
+        pytest.skip("the sparse attention is not built yet")
+    result = evaluate(
+        eval_recipe, "passkey", attention="sparse", lengths=[256], depths=[0.0, 1.0], samples=1,
+        out_dir=tmp_path, show_progress=False, budget=0.3,
+    )
+    assert result["attention"] == "sparse" and result["budget"] == 0.3
+    assert result["mean_recall"] is not None and 0.0 <= result["mean_recall"] <= 1.0 + 1e-6
+    assert (tmp_path / "passkey_sparse.json").is_file()

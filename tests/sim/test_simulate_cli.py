@@ -1,0 +1,80 @@
+"""`sbft simulate` as a user runs it (through Typer's test runner)."""
+from __future__ import annotations
+
+import json
+
+import typer
+from typer.testing import CliRunner
+
+from sbft_cli.simulate import register
+
+
+def make_app() -> typer.Typer:
+    app = typer.Typer(pretty_exceptions_enable=False, add_completion=False)
+
+    @app.callback()
+    def root() -> None:
+        pass
+
+    register(app)
+    return app
+
+
+def run(*args):
+    return CliRunner().invoke(make_app(), ["simulate", *map(str, args)], env={"COLUMNS": "200"})
+
+
+def test_simulate_writes_json_and_plots(tmp_path):
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([int(x) for x in (100 + (i * 7919) % 20000 for i in range(300))]))
+    out = tmp_path / "out"
+    result = run("--lengths", lengths, "--ranks", "2,4", "--max-len", "32768", "--out", out, "--markdown")
+    assert result.exit_code == 0, result.output
+    assert "sparsebalance" in result.output and "| policy |" in result.output
+    data = json.loads((out / "simulation.json").read_text())
+    assert [r["config"]["world_size"] for r in data["runs"]] == [2, 4]
+    assert len(data["runs"][0]["rows"]) == 10
+    assert (out / "rank_load.png").stat().st_size > 1000
+    assert (out / "speedup_vs_ranks.png").stat().st_size > 1000
+
+
+def test_simulate_synthetic_and_text_dir(tmp_path):
+    for i in range(30):
+        (tmp_path / f"f{i}.txt").write_text("word " * (50 * (i + 1) ** 2))
+    result = run("--from-text-dir", tmp_path, "--ranks", "4", "--tuning", "none", "--policies", "random,sparsebalance")
+    assert result.exit_code == 0, result.output
+    result = run("--synthetic", "200", "--median", "4000", "--ranks", "8", "--steps", "3", "--knowledge", "oracle")
+    assert result.exit_code == 0, result.output
+
+
+def one_line_error(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+def test_simulate_user_errors(tmp_path):
+    assert "exactly one" in one_line_error(run("--ranks", "4"))
+    assert "not found" in one_line_error(run("--lengths", tmp_path / "nope.json"))
+    assert "--policies" in one_line_error(run("--synthetic", "10", "--policies", "random,greedy"))
+    assert "--ranks" in one_line_error(run("--synthetic", "10", "--ranks", "4,x"))
+    lengths = tmp_path / "l.json"
+    lengths.write_text("[10, 99999]")
+    assert "document 1" in one_line_error(run("--lengths", lengths, "--max-len", "4096", "--too-long", "error"))
+    assert "token cap" in one_line_error(run("--lengths", lengths, "--max-len", "200000", "--token-cap", "4096"))
+
+
+def test_simulate_from_a_recipe_dataset(tmp_path, tiny_model_dir, text_corpus_dir):
+    import yaml
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"path": str(text_corpus_dir), "max_seq_len": 2048, "cache_dir": str(tmp_path / "cache")},
+    }))
+    result = run("--recipe", recipe, "--max-len", "2048", "--ranks", "2", "--tuning", "none", "--out", tmp_path / "o")
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "o" / "simulation.json").read_text())
+    assert data["lengths_summary"]["count"] == 24
+    assert data["lengths_summary"]["max"] <= 2048
