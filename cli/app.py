@@ -5,7 +5,7 @@ import warnings
 
 import typer
 
-from . import export, init_tiny, report, train
+from . import export, init_tiny, report, simulate, train
 
 # peft asks transformers a deprecated question on every LoRA wrap; the warning is not the user's to act on.
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -18,7 +18,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
-for command in (init_tiny, train, export, report):
+for command in (init_tiny, train, export, report, simulate):
     command.register(app)
 
 

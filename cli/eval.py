@@ -47,6 +47,10 @@ def register(app: typer.Typer) -> None:
         from sparsebalance_ft.train.launch import RankFailed, inside_launcher, launch_ranks
 
         recipe = load_recipe(recipe_path, overrides or [], check_paths=False)
+        from sparsebalance_ft.eval.api import TASKS
+
+        if task not in TASKS:
+            raise EvalOptionError(f"--task: unknown task {task!r}; choose one of {', '.join(TASKS)}")
         if attention not in ("dense", "sparse"):
             raise EvalOptionError(f"--attention: expected dense or sparse, got {attention!r}")
         if nproc > 1 and not inside_launcher():

@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
         lengths: Optional[str] = typer.Option(None, help="Comma-separated sequence lengths (default: log-spaced up to data.max_seq_len)."),
         densities: Optional[str] = typer.Option(None, help="Comma-separated attention densities (default: 0.05..1.0; dense backends: 1.0)."),
         points_per_octave: float = typer.Option(1.0, help="Length grid points per doubling."),
-        repeats: int = typer.Option(3, min=1, help="Timed repeats per point (the median is kept)."),
+        repeats: int = typer.Option(5, min=1, help="Timed repeats per point (the median is kept)."),
         warmup: int = typer.Option(1, min=0, help="Untimed warm-up passes."),
         threads: Optional[int] = typer.Option(None, min=1, help="torch threads while timing (default: as configured)."),
         clock: str = typer.Option("auto", help="wall, cpu (process CPU time; reproducible on a shared CPU with --threads 1) or auto."),

@@ -106,23 +106,16 @@ def _field(report, *names):
 
 
 def report_documents(report) -> tuple[np.ndarray, np.ndarray]:
-    """(lengths, densities) of the documents an attention report covers."""
-    docs = _field(report, "documents", "docs")
-    if docs is not None:
-        pairs = [(float(length), float(density)) for length, density in docs]
-        if not pairs:
-            return np.zeros(0, np.int64), np.zeros(0)
-        arr = np.asarray(pairs, dtype=np.float64)
-        return arr[:, 0].astype(np.int64), arr[:, 1]
-    lengths = _field(report, "doc_lengths", "lengths")
-    densities = _field(report, "doc_densities", "densities")
-    if lengths is None or densities is None:
+    """(lengths, densities) of the documents an attention report covers (`AttentionReport.doc_densities`)."""
+    pairs = [(float(length), float(density)) for length, density in _field(report, "doc_densities") or []]
+    if not pairs:
         return np.zeros(0, np.int64), np.zeros(0)
-    return np.asarray(lengths, dtype=np.int64).ravel(), np.asarray(densities, dtype=np.float64).ravel()
+    arr = np.asarray(pairs, dtype=np.float64)
+    return arr[:, 0].astype(np.int64), arr[:, 1]
 
 
 def report_layer_recall(report) -> np.ndarray | None:
-    values = _field(report, "layer_recall", "recall")
+    values = _field(report, "layer_recall")
     if values is None:
         return None
     return np.asarray([np.nan if v is None else float(v) for v in np.ravel(values)], dtype=np.float64)

@@ -157,6 +157,7 @@ class BatchSampler:
         self._digest = _lengths_digest(arr)
         self._groups: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self._order: tuple[int, np.ndarray] | None = None
+        self._last_planned: tuple[int, int] | None = None
 
     # ---- geometry -------------------------------------------------------------------------
     @property
@@ -252,6 +253,7 @@ class BatchSampler:
         if costs is not None:
             cost_of = dict(zip(docs.tolist(), costs.tolist()))
             predicted = np.array([sum(cost_of[d] for mb in r for d in mb) for r in mbs], dtype=np.float64)
+        self._last_planned = (int(epoch), int(step))
         return StepPlan(int(epoch), int(step), mbs, predicted)
 
     # ---- the training loop's view ---------------------------------------------------------
@@ -286,11 +288,19 @@ class BatchSampler:
             "lengths_digest": self._digest,
             "group": None,
         }
-        if self.bucket_steps > 1 and self.step < self.steps_per_epoch:
-            group = self.step // self.bucket_steps
-            packed = self._groups.get((self.epoch, group))
-            if packed is not None and self.step % self.bucket_steps:
-                state["group"] = {"epoch": self.epoch, "index": group, "packed": packed.tolist()}
+        # The bucketed block holding the next step to plan (after the last planned one; the
+        # trainer may call plan() directly instead of iterating) was ordered with an earlier
+        # doc_cost: keep it so a resumed run gets the same windows.
+        nxt = (self.epoch, self.step)
+        if self._last_planned is not None:
+            e, s = self._last_planned
+            nxt = (e, s + 1) if s + 1 < self.steps_per_epoch else (e + 1, 0)
+        state["next"] = [int(nxt[0]), int(nxt[1])]
+        if self.bucket_steps > 1 and nxt[1] % self.bucket_steps:
+            group = nxt[1] // self.bucket_steps
+            packed = self._groups.get((nxt[0], group))
+            if packed is not None:
+                state["group"] = {"epoch": nxt[0], "index": group, "packed": packed.tolist()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -303,6 +313,8 @@ class BatchSampler:
                     f"cannot resume the batch sampler: {key} was {state.get(key)!r} in the checkpoint and is {mine[key]!r} now"
                 )
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        nxt = state.get("next")
+        self._last_planned = (int(nxt[0]), int(nxt[1]) - 1) if nxt and int(nxt[1]) > 0 else None
         self._groups.clear()
         g = state.get("group")
         if g is not None:

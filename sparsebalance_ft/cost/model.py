@@ -298,7 +298,13 @@ class ProfiledCostModel:
     `densities[j]` (per-call overhead removed): linear in density, then piecewise power law in
     length (linear interpolation of log time over log length). Token-linear part of the whole
     model, `linear[k]` seconds at `tokens[k]`: piecewise linear. `attn_call_overhead` is paid once
-    per layer per micro-batch; `micro_batch_overhead` once per micro-batch.
+    per layer per micro-batch; `micro_batch_overhead` once per micro-batch; `doc_overhead` once per
+    document (the last two calibrated on packed micro-batches by the profiler).
+
+    `dense_attn[i]`, when present, is the attention at `lengths[i]` on the backend's separate
+    exact-dense path (the sparse attention computes budget 1.0 with fused dense SDPA, which costs
+    differently from keeping every block in the block-sparse kernel): density 1.0 uses it, and
+    `densities` then holds the block-sparse grid (below 1.0).
 
     `attention_scope` says what the backend's attention costs in a packed micro-batch:
     "document" (block-sparse or varlen kernels: each document attends within itself) or
@@ -320,8 +326,10 @@ class ProfiledCostModel:
     attn_call_overhead: float = 0.0
     micro_batch_overhead: float = 0.0
     step_overhead: float = 0.0
+    doc_overhead: float = 0.0
     extrapolate: Literal["warn", "error", "allow"] = "warn"
     attention_scope: Literal["document", "micro_batch"] = "document"
+    dense_attn: np.ndarray | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     _FLOOR = 1e-9
@@ -341,8 +349,12 @@ class ProfiledCostModel:
             raise ProfileError("profile densities must be increasing")
         if self.tokens.size < 2 or self.tokens.shape != self.linear.shape or np.any(np.diff(self.tokens) <= 0):
             raise ProfileError("profile linear part needs at least two increasing token counts")
+        if self.dense_attn is not None:
+            self.dense_attn = np.maximum(np.asarray(self.dense_attn, dtype=np.float64).reshape(-1), self._FLOOR)
+            if self.dense_attn.shape != self.lengths.shape:
+                raise ProfileError(f"dense attention column has {self.dense_attn.size} values for "
+                                   f"{self.lengths.size} lengths")
         self._logL = np.log(self.lengths)
-        self._logA = np.log(self.attn)
         self._dense = _dense_mask(self.num_layers, self.dense_layers)
         self._n_dense = int(self._dense.sum())
         self._n_sparse = self.num_layers - self._n_dense
@@ -373,6 +385,10 @@ class ProfiledCostModel:
         x = np.log(np.maximum(L, 1.0))
         i = np.clip(np.searchsorted(self._logL, x, side="right") - 1, 0, nL - 2)
         t = (x - self._logL[i]) / (self._logL[i + 1] - self._logL[i])
+        if self.dense_attn is not None:
+            dense = np.exp((1.0 - t) * np.log(self.dense_attn[i]) + t * np.log(self.dense_attn[i + 1]))
+            if np.all(d >= 1.0):
+                return dense
         if nD == 1:
             v0 = self.attn[i, 0]
             v1 = self.attn[i + 1, 0]
@@ -384,7 +400,10 @@ class ProfiledCostModel:
             # below the lowest profiled density: linear extrapolation, kept positive
             v0 = np.maximum(v0, 0.25 * self.attn[i, 0])
             v1 = np.maximum(v1, 0.25 * self.attn[i + 1, 0])
-        return np.exp((1.0 - t) * np.log(v0) + t * np.log(v1))
+        out = np.exp((1.0 - t) * np.log(v0) + t * np.log(v1))
+        if self.dense_attn is not None:
+            out = np.where(d >= 1.0, dense, out)
+        return out
 
     def attention_times(self, lengths: np.ndarray, densities: np.ndarray | float) -> np.ndarray:
         """Seconds of the whole model's attention per document (all layers), shape `(n,)`."""
@@ -419,7 +438,7 @@ class ProfiledCostModel:
     def doc_times(self, lengths: np.ndarray, densities: np.ndarray | float) -> np.ndarray:
         L = _as_lengths(lengths)
         linear = np.asarray(self.linear_time(L)) - self._lin_intercept
-        return np.maximum(linear, 0.0) + self.attention_times(L, densities)
+        return np.maximum(linear, 0.0) + self.attention_times(L, densities) + self.doc_overhead
 
     def micro_batch_time(self, lengths: np.ndarray, densities: np.ndarray | float) -> float:
         L = _as_lengths(lengths)
@@ -433,7 +452,7 @@ class ProfiledCostModel:
         else:
             attention = float(self.attention_times(L, densities).sum())
         return (attention + float(self.linear_time(L.sum())) + self.num_layers * self.attn_call_overhead
-                + self.micro_batch_overhead)
+                + self.micro_batch_overhead + self.doc_overhead * L.size)
 
     # ---------------------------------------------------------------- files
     def to_dict(self) -> dict[str, Any]:
@@ -444,10 +463,12 @@ class ProfiledCostModel:
             "num_layers": self.num_layers,
             "dense_layers": list(self.dense_layers),
             "attention": {"lengths": self.lengths.tolist(), "densities": self.densities.tolist(),
-                          "seconds_per_layer": self.attn.tolist(), "call_overhead": self.attn_call_overhead},
+                          "seconds_per_layer": self.attn.tolist(), "call_overhead": self.attn_call_overhead,
+                          "dense_seconds_per_layer": None if self.dense_attn is None else self.dense_attn.tolist()},
             "linear": {"tokens": self.tokens.tolist(), "seconds": self.linear.tolist()},
             "attention_scope": self.attention_scope,
             "micro_batch_overhead": self.micro_batch_overhead,
+            "doc_overhead": self.doc_overhead,
             "step_overhead": self.step_overhead,
         }
 
@@ -468,8 +489,10 @@ class ProfiledCostModel:
                        dense_layers=list(data.get("dense_layers", [])),
                        attn_call_overhead=float(att.get("call_overhead", 0.0)),
                        micro_batch_overhead=float(data.get("micro_batch_overhead", 0.0)),
+                       doc_overhead=float(data.get("doc_overhead", 0.0)),
                        step_overhead=float(data.get("step_overhead", 0.0)),
                        extrapolate=extrapolate, attention_scope=data.get("attention_scope", "document"),
+                       dense_attn=att.get("dense_seconds_per_layer"),
                        meta=dict(data.get("meta", {})))
         except (KeyError, TypeError, ValueError) as error:
             raise ProfileError(f"{source}: malformed profile ({error})") from None

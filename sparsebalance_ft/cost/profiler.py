@@ -42,7 +42,9 @@ from .model import (
 from .stats import _isotonic
 
 NOOP_ATTENTION = "sbft_profile_noop"
-DOCUMENT_SCOPED = {"sparsebalance", "flash_attention_2", "flash_attention_3", "flex_attention"}
+# Dense kernels given the packed block-diagonal mask compute the whole packed sequence's L^2;
+# block-sparse, varlen (flash) and block-mask (flex) kernels only work within documents.
+MICRO_BATCH_SCOPED = {"sdpa", "eager"}
 
 
 class ProfilingError(UserError):
@@ -75,12 +77,17 @@ class DenseDriver:
 
 
 class ControllerDriver:
-    """The sparse attention's controller: `force_density(d)` makes every sparse layer keep share d."""
+    """The sparse attention's controller: `force_density(d)` makes every sparse layer keep share d.
+
+    `dense_path`: density 1.0 runs a separate exact-dense kernel (profiled as its own column).
+    """
 
     densities_supported = True
 
     def __init__(self, controller: Any):
         self.controller = controller
+        config = getattr(controller, "config", None)
+        self.dense_path = bool(getattr(config, "exact_dense_at_full_budget", False))
 
     def force(self, density: float | None) -> None:
         self.controller.force_density(density)
@@ -265,6 +272,27 @@ def measure_cells(cells: list[Cell], device: torch.device, warmup: int, repeats:
                 progress(str(cell.key[0]))
 
 
+def random_micro_batches(count: int, max_len: int, token_cap: int, densities: list[float], seed: int = 0,
+                         min_doc: int = 32, dense_share: float = 0.0) -> list[tuple[list[int], float]]:
+    """Mixed-length packed micro-batches: (document lengths, forced density; 1.0 with `dense_share`)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    lo, hi = np.log(min_doc), np.log(max_len)
+    d_lo, d_hi = min(densities), max(densities)
+    for _ in range(count):
+        target = int(rng.uniform(0.3, 1.0) * token_cap)
+        docs: list[int] = []
+        while sum(docs) < target:
+            n = int(np.exp(rng.uniform(lo, hi)))
+            room = target - sum(docs)
+            docs.append(max(min(n, room), min_doc))
+        d = float(rng.uniform(d_lo, d_hi)) if d_hi > d_lo else d_hi
+        if rng.uniform() < dense_share:
+            d = 1.0
+        out.append((docs, round(d, 3)))
+    return out
+
+
 # --------------------------------------------------------------------------- settings and grid
 
 
@@ -276,12 +304,14 @@ class ProfileSettings:
     points_per_octave: float = 1.0
     token_points: int = 6
     warmup: int = 1
-    repeats: int = 3
+    repeats: int = 5
     packed_docs: int = 4
     seed: int = 0
+    calibration_batches: int = 12  # random packed micro-batches that fit per-micro-batch/document overheads
     threads: int | None = None  # torch intra-op threads while timing (None: as configured)
     statistic: str = "median"  # or "min": less sensitive to load from other processes
     clock: str = "wall"  # or "cpu": process CPU time (CPU only; use with threads=1)
+    attention_scope: str | None = None  # "document" | "micro_batch"; None: from the backend's name
 
     def length_grid(self, max_len: int, block_size: int) -> list[int]:
         if self.lengths:
@@ -294,7 +324,7 @@ class ProfileSettings:
     def density_grid(self, supported: bool) -> list[float]:
         if not supported:
             return [1.0]
-        return sorted({float(d) for d in (self.densities or [0.05, 0.15, 0.3, 0.5, 0.75, 1.0])})
+        return sorted({float(d) for d in (self.densities or [0.05, 0.15, 0.3, 0.5, 0.75, 0.95, 1.0])})
 
     def token_grid(self, token_cap: int, min_length: int) -> list[int]:
         lo = max(min(min_length, token_cap // 4), 16)
@@ -353,10 +383,11 @@ class Workloads:
             ctx = attention_swapped(self.model, NOOP_ATTENTION) if density is None else contextlib.nullcontext()
             if density is not None:
                 self.driver.force(density)
-            with ctx, _autocast(self.device, self.mixed_precision):
-                out = self.layer(hidden, **kwargs)
-                out = out[0] if isinstance(out, (tuple, list)) else out
-            out.backward(grad)
+            with ctx:  # backward inside too: gradient checkpointing recomputes the forward there
+                with _autocast(self.device, self.mixed_precision):
+                    out = self.layer(hidden, **kwargs)
+                    out = out[0] if isinstance(out, (tuple, list)) else out
+                out.backward(grad)
             self.driver.drain()
 
         return run
@@ -369,9 +400,10 @@ class Workloads:
             ctx = attention_swapped(self.model, NOOP_ATTENTION) if density is None else contextlib.nullcontext()
             if density is not None:
                 self.driver.force(density)
-            with ctx, _autocast(self.device, self.mixed_precision):
-                loss = model_loss(self.model, batch)
-            (loss * 1e-3).backward()
+            with ctx:
+                with _autocast(self.device, self.mixed_precision):
+                    loss = model_loss(self.model, batch)
+                (loss * 1e-3).backward()
             self.driver.drain()
 
         return run
@@ -457,9 +489,14 @@ def profile_model(
     dense_layers = list(dense_layers or [])
     model.train()
     work = Workloads(model, driver, dense_layers, mixed_precision, settings.seed)
-    scope = "document" if work.attn_name in DOCUMENT_SCOPED else "micro_batch"
+    scope = settings.attention_scope or ("micro_batch" if work.attn_name in MICRO_BATCH_SCOPED else "document")
     lengths = settings.length_grid(max_len, block_size)
     densities = settings.density_grid(driver.densities_supported)
+    dense_column = bool(getattr(driver, "dense_path", False)) and driver.densities_supported
+    if dense_column and 1.0 not in densities:
+        densities = densities + [1.0]
+    if dense_column and len(densities) < 3:
+        raise ProfilingError("with a separate dense path, profile at least two densities below 1.0")
     tokens = settings.token_grid(token_cap, lengths[0])
 
     cells: list[Cell] = []
@@ -476,6 +513,10 @@ def profile_model(
     for t in tokens:
         cells.append(Cell(("model-noop", t), work.model_run([t], None)))
     cells.append(Cell(("optimizer",), work.optimizer_run(training_config)))
+    calibration = random_micro_batches(settings.calibration_batches, max_len, token_cap,
+                                       [d for d in densities if d < 1.0] or densities, seed=settings.seed + 1000)
+    for i, (docs, d) in enumerate(calibration):
+        cells.append(Cell(("calibrate", i), work.model_run(docs, d)))
 
     total = len(cells) * (settings.warmup + settings.repeats)
     started = time.perf_counter()
@@ -496,11 +537,23 @@ def profile_model(
         per_doc = max((packed - single) / (k - 1), 0.0)
         call_overhead = float(np.clip(single - per_doc, 0.0, 0.9 * max(single, 0.0)))
     attn = np.maximum(raw_attn - call_overhead, 1e-7)
+    dense_attn = None
+    if dense_column:  # the exact-dense path is its own column, outside the density axis
+        dense_attn = _isotonic(attn[:, -1], np.ones(len(lengths)))
+        attn = attn[:, :-1]
+        densities = densities[:-1]
     attn = np.vstack([_isotonic(row, np.ones_like(row)) for row in attn])  # monotone in density
     attn = np.vstack([_isotonic(col, np.ones_like(col)) for col in attn.T]).T  # and in length
     attn = np.maximum(attn, 1e-7)
     linear_raw = np.array([by_key[("model-noop", t)] for t in tokens])
     linear = _isotonic(linear_raw, np.ones_like(linear_raw))
+    model = ProfiledCostModel(
+        lengths=np.array(lengths, dtype=np.float64), densities=np.array(densities), attn=attn,
+        tokens=np.array(tokens, dtype=np.float64), linear=linear, num_layers=len(work.layers),
+        dense_layers=dense_layers, attn_call_overhead=call_overhead, step_overhead=by_key[("optimizer",)],
+        attention_scope=scope, dense_attn=dense_attn, extrapolate="allow",
+    )
+    fit = calibrate_overheads(model, [(docs, d, by_key[("calibrate", i)]) for i, (docs, d) in enumerate(calibration)])
 
     meta = dict(meta or {})
     meta.update({
@@ -520,12 +573,37 @@ def profile_model(
             "samples": {"|".join(map(str, c.key)): c.samples for c in cells},
         },
     })
-    return ProfiledCostModel(
-        lengths=np.array(lengths, dtype=np.float64), densities=np.array(densities), attn=attn,
-        tokens=np.array(tokens, dtype=np.float64), linear=linear, num_layers=len(work.layers),
-        dense_layers=dense_layers, attn_call_overhead=call_overhead, micro_batch_overhead=0.0,
-        step_overhead=by_key[("optimizer",)], attention_scope=scope, meta=meta,
-    )
+    meta["calibration"] = fit
+    model.meta = meta
+    model.extrapolate = "warn"
+    return model
+
+
+def calibrate_overheads(model: ProfiledCostModel, measured: list[tuple[list[int], float, float]]) -> dict[str, Any]:
+    """Fit `micro_batch_overhead` + `doc_overhead` x documents to what the tables miss on packed batches.
+
+    Relative least squares (each batch weighted by 1/measured time); the per-document term is kept
+    non-negative and the fixed term below the shortest measured batch. Sets them on `model`.
+    """
+    if len(measured) < 3:
+        return {"batches": len(measured)}
+    base = np.array([model.micro_batch_time(np.array(docs), d) for docs, d, _ in measured])
+    y = np.array([t for _, _, t in measured])
+    n = np.array([len(docs) for docs, _, _ in measured], dtype=np.float64)
+    w = 1.0 / np.maximum(y, 1e-9)
+    X = np.stack([np.ones_like(n), n], axis=1) * w[:, None]
+    r = (y - base) * w
+    (a, b), *_ = np.linalg.lstsq(X, r, rcond=None)
+    if b < 0:
+        b = 0.0
+        a = float(np.sum(w * w * (y - base)) / np.sum(w * w))
+    bound = 0.9 * float(y.min())
+    a = float(np.clip(a, -bound, bound))
+    model.micro_batch_overhead, model.doc_overhead = a, float(b)
+    after = np.array([model.micro_batch_time(np.array(docs), d) for docs, d, _ in measured])
+    ape = lambda p: float(np.median(np.abs(p - y) / y))  # noqa: E731
+    return {"batches": len(measured), "micro_batch_overhead": a, "doc_overhead": float(b),
+            "median_ape_before": ape(base), "median_ape_after": ape(after)}
 
 
 def recipe_meta(recipe: Any, model: Any) -> dict[str, Any]:

@@ -250,7 +250,9 @@ class DensityStats:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if int(state.get("version", 0)) != _STATE_VERSION:
             raise ValueError(f"density statistics version {state.get('version')} is not {_STATE_VERSION}")
-        if not (np.allclose(state["log_lengths"], self.log_lengths) and np.allclose(state["budgets"], self.budgets)):
+        same = (np.shape(state["log_lengths"]) == self.log_lengths.shape and np.shape(state["budgets"]) == self.budgets.shape
+                and np.allclose(state["log_lengths"], self.log_lengths) and np.allclose(state["budgets"], self.budgets))
+        if not same:
             raise ValueError("density statistics were saved with another length/budget grid")
         self.prior_strength = float(state.get("prior_strength", self.prior_strength))
         self.decay = float(state.get("decay", self.decay))

@@ -29,6 +29,7 @@ from .profiler import (
     _threads,
     load_for_timing,
     measure_cells,
+    random_micro_batches,
 )
 
 
@@ -46,25 +47,6 @@ def ape_summary(predicted: np.ndarray, measured: np.ndarray) -> dict[str, float]
     }
 
 
-def random_micro_batches(count: int, max_len: int, token_cap: int, densities: list[float], seed: int = 0,
-                         min_doc: int = 32) -> list[tuple[list[int], float]]:
-    """Mixed-length packed micro-batches: (document lengths, forced density)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    lo, hi = np.log(min_doc), np.log(max_len)
-    d_lo, d_hi = min(densities), max(densities)
-    for _ in range(count):
-        target = int(rng.uniform(0.3, 1.0) * token_cap)
-        docs: list[int] = []
-        while sum(docs) < target:
-            n = int(np.exp(rng.uniform(lo, hi)))
-            room = target - sum(docs)
-            docs.append(max(min(n, room), min_doc))
-        d = float(rng.uniform(d_lo, d_hi)) if d_hi > d_lo else d_hi
-        out.append((docs, round(d, 3)))
-    return out
-
-
 def held_out_points(profile: ProfiledCostModel) -> list[tuple[int, float]]:
     L = profile.lengths
     D = profile.densities
@@ -75,6 +57,8 @@ def held_out_points(profile: ProfiledCostModel) -> list[tuple[int, float]]:
         for j, d in enumerate(mids_D):
             if (i + j) % 2 == 0 or len(mids_D) == 1:  # a checkerboard keeps the run short
                 points.append((n, round(d, 3)))
+    if profile.dense_attn is not None:  # the separate exact-dense path
+        points += [(n, 1.0) for n in mids_L[::2]]
     return points
 
 
@@ -86,7 +70,7 @@ def validate_model(
     token_cap: int,
     micro_batches: int = 24,
     warmup: int = 1,
-    repeats: int = 3,
+    repeats: int = 5,
     seed: int = 1,
     threads: int | None = None,
     clock: str | None = None,
@@ -106,7 +90,8 @@ def validate_model(
     cases: list[dict[str, Any]] = []
     for n, d in held_out_points(profile):
         cases.append({"kind": "held_out", "lengths": [n], "density": d})
-    for docs, d in random_micro_batches(micro_batches, max_len, token_cap, densities, seed):
+    dense_share = 0.15 if profile.dense_attn is not None else 0.0
+    for docs, d in random_micro_batches(micro_batches, max_len, token_cap, densities, seed, dense_share=dense_share):
         cases.append({"kind": "micro_batch", "lengths": docs, "density": d})
     cells = [Cell((c["kind"], i), work.model_run(c["lengths"], c["density"])) for i, c in enumerate(cases)]
     with _threads(threads), _progress_bar(len(cells) * (warmup + repeats), progress, "validate") as bar:
@@ -164,7 +149,7 @@ def plot_report(report: dict[str, Any], path: str | Path, title: str = "latency 
 
 
 def validate_recipe(recipe: Any, profile_path: str | Path, out_json: str | Path | None = None,
-                    out_png: str | Path | None = None, micro_batches: int = 24, repeats: int = 3,
+                    out_png: str | Path | None = None, micro_batches: int = 24, repeats: int = 5,
                     seed: int = 1, progress: bool = True, **kwargs: Any) -> dict[str, Any]:
     """Load the recipe's model and the profile (warning on mismatch), validate, write JSON and PNG."""
     profile_path = Path(profile_path)

@@ -61,6 +61,7 @@ def eval_recipe(recipe: Recipe, attention: Attention, checkpoint_kind: str | Non
     elif model["attn_implementation"] == "sparsebalance":
         model["attn_implementation"] = _DENSE_FALLBACK
     model["gradient_checkpointing"] = False
+    data["balance"]["tuning"] = "none"  # evaluation runs at one budget; nothing to balance
     if checkpoint_kind == "full":
         model["path"] = str(checkpoint)
         data["lora"]["enabled"] = False
@@ -218,10 +219,13 @@ def evaluate(
         raise EvalOptionError(f"--task: unknown task {task!r}; choose one of {', '.join(TASKS)}")
     if attention not in ("dense", "sparse"):
         raise EvalOptionError(f"--attention: expected dense or sparse, got {attention!r}")
-    if task == "longbench" and data is not None and not Path(data).exists():
+    if task == "longbench":
         from .errors import EvalDataError
 
-        raise EvalDataError(f"{data}: LongBench data not found (give a .jsonl file or a folder of them)")
+        if data is None:
+            raise EvalOptionError("--data: the longbench task needs a local LongBench-format .jsonl file or folder")
+        if not Path(data).exists():
+            raise EvalDataError(f"{data}: LongBench data not found (give a .jsonl file or a folder of them)")
     started = time.perf_counter()
     model, tokenizer, controller = loaded or load_for_eval(recipe, checkpoint, attention, budget)
     context = context_length(recipe, model, max_length)

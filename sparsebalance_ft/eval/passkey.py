@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Sequence
 
 from ..data.synthetic import make_kv, make_passkey
 from .engine import EvalExample
@@ -82,6 +81,3 @@ def resolve_lengths(options: RetrievalOptions, context: int, minimum: int = 96) 
     options.lengths = sorted(set(lengths))
     return options
 
-
-def summary_extra(examples: Sequence[EvalExample]) -> dict[str, Any]:
-    return {"prompt_tokens_max": max((len(e.input_ids) for e in examples), default=0)}

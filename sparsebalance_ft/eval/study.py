@@ -11,11 +11,12 @@ figures (mean recall, density, budget, step time, bubble) come from the arm's `m
 Everything lands in `<out>/accuracy_study.json` and a Markdown table `<out>/accuracy_study.md`
 for the README, whatever the numbers show.
 
-Sizing for this machine (2 shared CPU cores, measured dense forward+backward of the default tiny
-Llama at ~0.45 ms/token on one thread): 2 ranks x 4 documents of 256..2048 tokens per step is
-about 2 s per dense step and roughly twice that sparse on the PyTorch reference kernel, so
-`StudyPlan()` defaults (100 steps, 3 arms, 60 evaluation prompts x 2 attentions per arm) come to
-about 20 minutes. `StudyPlan.quick()` is a one-minute smoke version for tests and CI.
+Sizing for this machine (2 shared CPU cores; calibrated with 5-step runs of every arm at the
+default sizes, 2 gloo ranks x 4 documents of 256..2048 tokens, mean 960, per step): about 2.0 s
+per dense step, 1.05 s fixed-budget sparse, 0.85 s SparseBalance, ~10 s start-up per arm, and
+under 30 s for both evaluations of an arm. `StudyPlan()` defaults (240 steps, 2000 training
+records, 50 prompts x 2 attentions per arm) therefore come to about 17-20 minutes.
+`StudyPlan.quick()` is a one-minute smoke version for tests.
 
 Wiring: `run_accuracy_study(base, arms, trainer, out)` with `trainer(recipe) -> summary` where
 summary is `train()`'s dict (its `adapter_dir`), or just the adapter path. `launch_trainer(n)`
@@ -56,8 +57,8 @@ class StudyPlan:
     )
     train_task: str = "passkey"
     train_lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048])
-    train_records: int = 1200
-    max_steps: int = 100
+    train_records: int = 2000
+    max_steps: int = 240
     docs_per_rank: int = 4
     learning_rate: float = 2e-3
     eval_lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096])

@@ -29,9 +29,8 @@ class AttentionSummary:
     recall: float = math.nan
 
 
-def _mean(values) -> float:
-    finite = [float(v) for v in values or [] if v is not None and math.isfinite(float(v))]
-    return sum(finite) / len(finite) if finite else math.nan
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)
 
 
 class Balancing:
@@ -44,13 +43,10 @@ class Balancing:
     def before_step(self, micro_batches: list[list[int]]) -> StepDecision:
         """Pick this rank's budget for the step (all ranks must call it) and set it on the attention."""
         if self.service is None:
-            return StepDecision(budget=self._fixed_budget())
+            return StepDecision()
         decision = self.service.decide([[int(self.lengths[i]) for i in mb] for mb in micro_batches])
         self.controller.set_budget(decision.budget)
         return StepDecision(budget=decision.rank_budget, predicted_time=decision.predicted_time)
-
-    def _fixed_budget(self) -> float:
-        return self.controller.default_budget if self.controller is not None else math.nan
 
     def after_step(self, compute_time: float, wait_time: float) -> AttentionSummary:
         """Feed the attention's report to the statistics (all ranks must call it) and summarise it."""
@@ -59,12 +55,18 @@ class Balancing:
         report = self.controller.pop_report()
         if self.service is not None:
             self.service.observe(report, compute_time, wait_time)
-        return AttentionSummary(density=_mean(report.layer_density), recall=_mean(report.layer_recall))
+        return AttentionSummary(density=_or_nan(report.mean_density), recall=_or_nan(report.mean_recall))
 
     def state_dict(self) -> dict:
-        return {"balancer": self.service.state_dict() if self.service is not None else None}
+        """The sampler's too: a `sparsebalance` group's order is fixed when its first step is planned."""
+        return {
+            "sampler": self.sampler.state_dict(),
+            "balancer": self.service.state_dict() if self.service is not None else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("sampler") is not None:
+            self.sampler.load_state_dict(state["sampler"])
         if self.service is not None and state.get("balancer") is not None:
             self.service.load_state_dict(state["balancer"])
 

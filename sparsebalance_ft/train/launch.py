@@ -25,6 +25,8 @@ def launch_ranks(nproc: int, module_argv: list[str], module: str = "sbft_cli.app
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    # Share the cores between the ranks (torchrun would set 1 and warn about it).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", "--monitor-interval=0.5", "--module", module, *module_argv]
     )

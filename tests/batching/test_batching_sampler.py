@@ -249,3 +249,27 @@ def test_without_doc_cost_sparsebalance_falls_back_to_the_flop_proxy():
     L = np.arange(1, 41, dtype=np.int64) * 50
     plans = check_epoch(BatchSampler(L, 4, "sparsebalance", CAP, 3))
     assert all(p.predicted is None for p in plans)
+
+
+def test_resume_when_the_loop_calls_plan_directly():
+    """The training loop keeps its own (epoch, step) and calls plan(); state_dict must still carry the block."""
+    rng = np.random.default_rng(5)
+    L = np.minimum(rng.lognormal(7, 1.2, 400).astype(np.int64) + 1, CAP)
+    cost_a = DriftingCost(L)
+    a = BatchSampler(L, 4, "sparsebalance", CAP, 4, seed=3, doc_cost=cost_a, bucket_steps=5)
+    plans_a = []
+    for step in range(a.steps_per_epoch):
+        if step == 7:
+            state = json.loads(json.dumps(a.state_dict()))
+            version = cost_a.version
+        plans_a.append(a.plan(0, step))
+        cost_a.version += 1
+    assert state["group"] is not None
+    cost_b = DriftingCost(L)
+    cost_b.version = version
+    b = BatchSampler(L, 4, "sparsebalance", CAP, 4, seed=3, doc_cost=cost_b, bucket_steps=5)
+    b.load_state_dict(state)
+    assert b.state_dict()["group"] == state["group"]  # a checkpoint right after resuming keeps the block
+    for step in range(7, a.steps_per_epoch):
+        assert b.plan(0, step).micro_batches == plans_a[step].micro_batches
+        cost_b.version += 1

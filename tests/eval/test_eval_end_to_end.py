@@ -119,13 +119,14 @@ def test_checkpoint_kinds(tmp_path, adapter_dir, tiny_model_dir, eval_recipe):
 
     loaded, _, controller = load_for_eval(eval_recipe, tmp_path / "out")
     assert controller is None
-    merged, _ = load_model(eval_recipe, trainable=False)
-    merged = merged.merge_and_unload()
-    reference = dict(merged.named_parameters())
-    names = [n for n, _ in loaded.named_parameters() if n.endswith("q_proj.weight")]
+    expected = dict(model.merge_and_unload().named_parameters())
+    got = dict(loaded.named_parameters())
+    names = [n for n in got if n.endswith("q_proj.weight")]
     assert names
-    base = dict(model.named_parameters())  # unmerged: the loaded one must differ from the plain base by the LoRA delta
-    assert not torch.allclose(dict(loaded.named_parameters())[names[0]], reference[names[0]])
+    for name in names:
+        assert torch.allclose(got[name], expected[name])
+    fresh, _, _ = load_for_eval(eval_recipe, None)  # the base model: no LoRA delta
+    assert not torch.allclose(dict(fresh.named_parameters())[names[0]], got[names[0]])
 
 
 def test_evaluate_api_without_writing(eval_recipe):
@@ -137,10 +138,33 @@ def test_sparse_attention_reports_recall(eval_recipe, tmp_path):
     attention = pytest.importorskip("sparsebalance_ft.attention")
     if not hasattr(attention, "SparseAttentionController"):
         pytest.skip("the sparse attention is not built yet")
+    from sparsebalance_ft.attention import SparsityConfig
+
+    sparsity = SparsityConfig(block_size=16, k_min=1, k_max=4, local_blocks=1, budget=0.5)
+    recipe = eval_recipe.model_copy(update={"sparsity": sparsity})
     result = evaluate(
-        eval_recipe, "passkey", attention="sparse", lengths=[256], depths=[0.0, 1.0], samples=1,
+        recipe, "passkey", attention="sparse", lengths=[512], depths=[0.0, 1.0], samples=1,
         out_dir=tmp_path, show_progress=False, budget=0.3,
     )
     assert result["attention"] == "sparse" and result["budget"] == 0.3
     assert result["mean_recall"] is not None and 0.0 <= result["mean_recall"] <= 1.0 + 1e-6
+    assert result["mean_density"] is not None and result["mean_density"] < 1.0
     assert (tmp_path / "passkey_sparse.json").is_file()
+
+
+def test_nproc_relaunches_with_the_same_options(cli, eval_recipe_path, tmp_path, monkeypatch):
+    import sparsebalance_ft.train.launch as launch
+
+    calls = []
+    monkeypatch.setattr(launch, "launch_ranks", lambda nproc, argv, module="sbft_cli.app": calls.append((nproc, argv)))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    result = cli(
+        "eval", eval_recipe_path, "--task", "needle", "--nproc", "2", "--lengths", "128,256", "--depths", "0,50",
+        "--haystack", tmp_path, "--set", "data.max_seq_len=300", "--budget", "0.4", "--out", tmp_path / "o",
+    )
+    assert result.exit_code == 0, result.output
+    nproc, argv = calls[0]
+    assert nproc == 2 and argv[:2] == ["eval", str(eval_recipe_path)] and "--nproc" not in argv
+    for expected in ("--lengths=128,256", "--depths=0,50", f"--haystack={tmp_path}", "--set=data.max_seq_len=300"):
+        assert expected in argv
+    assert argv[argv.index("--budget") + 1] == "0.4" and argv[argv.index("--out") + 1] == str(tmp_path / "o")

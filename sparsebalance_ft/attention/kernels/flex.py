@@ -23,7 +23,9 @@ except ImportError:  # pragma: no cover
 
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
-    return torch.compile(flex_attention, dynamic=False)
+    # default (automatic) dynamic shapes: packed layouts change length every step; recompiling per
+    # length would exhaust the cache and drop to the unfused eager path
+    return torch.compile(flex_attention)
 
 
 def _compact(mask: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,8 @@ accumulation.
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -162,7 +164,7 @@ def _bwd_chunk(go, qc, kg, vg, out, lse, mask, scale, flash: bool):
     dv = torch.matmul(p.transpose(-1, -2), gof).sum(1)
     dp = torch.matmul(gof, vf.transpose(-1, -2))
     ds = dp.sub_(delta).mul_(p)
-    dq = torch.matmul(ds, kf.squeeze(1)).mul_(scale)
+    dq = torch.matmul(ds, kf).mul_(scale)
     dk = torch.matmul(ds.transpose(-1, -2), qf).sum(1).mul_(scale)
     return dq.to(qc.dtype), dk, dv
 
@@ -182,17 +184,79 @@ def _rows_unview(x: torch.Tensor, b: int, hkv: int, bs: int) -> torch.Tensor:
     return x.reshape(b, hkv, nq, g, bs, d).permute(0, 1, 3, 2, 4, 5).reshape(b, hkv * g, nq * bs, d)
 
 
+class _Workers:
+    """Chunk-level parallelism on CPU: W Python threads, each running single-threaded ATen kernels.
+
+    Many medium-sized kernel calls each opening an OpenMP parallel region scale badly when the cores
+    are shared (every region ends in a barrier that waits for a descheduled thread); independent
+    chunks on single-threaded workers avoid the barriers. W = torch.get_num_threads() of the caller.
+    """
+
+    def __init__(self):
+        self._pool = None
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def pool(self, size: int) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None or self._size != size:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)
+                self._pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="sbft-attn",
+                                                initializer=torch.set_num_threads, initargs=(1,))
+                self._size = size
+            return self._pool
+
+    def map(self, fn, items: list, cost=None) -> list:
+        """Run fn over items; results in order. Largest cost first for balance."""
+        width = torch.get_num_threads()
+        if width <= 1 or len(items) <= 1 or not PARALLEL_CHUNKS:
+            return [fn(it) for it in items]
+        order = sorted(range(len(items)), key=(lambda i: -cost(items[i])) if cost else (lambda i: i))
+        pool = self.pool(width)
+        prev = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            futures = {i: pool.submit(_no_grad_call, fn, items[i]) for i in order}
+            return [futures[i].result() for i in range(len(items))]
+        finally:
+            torch.set_num_threads(prev)
+
+
+def _no_grad_call(fn, item):
+    with torch.no_grad():  # grad mode is thread-local; kernels of an autograd.Function run without it
+        return fn(item)
+
+
+_WORKERS = _Workers()
+PARALLEL_CHUNKS = True
+
+
+def _row_slices(r: int, parts: int) -> list[slice]:
+    step = -(-r // max(1, parts))
+    return [slice(a, min(r, a + step)) for a in range(0, r, step)]
+
+
 def _split_forward(qr, kb, vb, plan: Plan, bs: int, scale: float):
-    """Diagonal blocks (one causal flash call over all rows) merged by log-sum-exp with the
-    off-diagonal kept blocks (unmasked flash calls per chunk of equal-count rows)."""
+    """Diagonal blocks (causal flash calls) merged by log-sum-exp with the off-diagonal kept blocks
+    (unmasked flash calls per chunk of rows with equal off-diagonal counts)."""
     r, g, _, d = qr.shape
     fwd = _CPU_FLASH[0]
-    kd = kb.index_select(0, plan.diag).view(r, 1, bs, d)
-    vd = vb.index_select(0, plan.diag).view(r, 1, bs, d)
-    out, lse = fwd(qr, kd.expand(r, g, bs, d), vd.expand(r, g, bs, d), is_causal=True, scale=scale)
-    out = out.contiguous()
-    lse = lse.contiguous()
-    for rows, c in plan.off_chunks:
+    out = torch.empty_like(qr)
+    lse = torch.empty(qr.shape[:3], dtype=_lse_dtype(qr.dtype), device=qr.device)
+
+    def diag_part(sl: slice):
+        n = sl.stop - sl.start
+        kd = kb.index_select(0, plan.diag[sl]).view(n, 1, bs, d).expand(n, g, bs, d)
+        vd = vb.index_select(0, plan.diag[sl]).view(n, 1, bs, d).expand(n, g, bs, d)
+        o, l_ = fwd(qr[sl], kd, vd, is_causal=True, scale=scale)
+        out[sl] = o
+        lse[sl] = l_
+
+    _WORKERS.map(diag_part, _row_slices(r, 4 * torch.get_num_threads()))
+
+    def off_part(item):
+        rows, c = item
         n = rows.numel()
         gi = plan.off_gidx[rows, :c].reshape(-1)
         kg = kb.index_select(0, gi).view(n, 1, c * bs, d)
@@ -202,11 +266,13 @@ def _split_forward(qr, kb, vb, plan: Plan, bs: int, scale: float):
         l1 = lse.index_select(0, rows)
         l2 = l2.view(n, g, bs)
         lt = torch.logaddexp(l1, l2)
-        w1 = (l1 - lt).exp_().unsqueeze(-1)
-        w2 = (l2 - lt).exp_().unsqueeze(-1)
-        merged = o1.mul_(w1.to(o1.dtype)).add_(o2.view(n, g, bs, d).mul(w2.to(o1.dtype)))
+        w1 = (l1 - lt).exp_().unsqueeze(-1).to(o1.dtype)
+        w2 = (l2 - lt).exp_().unsqueeze(-1).to(o1.dtype)
+        merged = o1.mul_(w1).add_(o2.view(n, g, bs, d).mul_(w2))
         out.index_copy_(0, rows, merged)
         lse.index_copy_(0, rows, lt)
+
+    _WORKERS.map(off_part, plan.off_chunks, cost=lambda it: it[0].numel() * it[1])
     return out, lse
 
 
@@ -215,16 +281,28 @@ def _split_backward(go, qr, kb, vb, out, lse, plan: Plan, bs: int, scale: float)
     share of the gradient (P = exp(S - lse_total), delta = rowsum(dO * O_total))."""
     r, g, _, d = qr.shape
     bwd = _CPU_FLASH[1]
-    kd = kb.index_select(0, plan.diag).view(r, 1, bs, d)
-    vd = vb.index_select(0, plan.diag).view(r, 1, bs, d)
-    dq, gkd, gvd = bwd(go, qr, kd.expand(r, g, bs, d), vd.expand(r, g, bs, d), out, lse, 0.0, True, scale=scale)
-    dq = dq.contiguous()
     acc = torch.float32 if kb.dtype in (torch.float16, torch.bfloat16) else kb.dtype
+    dq = torch.empty(qr.shape, dtype=acc, device=qr.device)
     dk = torch.zeros(kb.shape, dtype=acc, device=kb.device)
     dv = torch.zeros(vb.shape, dtype=acc, device=vb.device)
-    dk.index_add_(0, plan.diag, gkd.sum(1, dtype=acc))
-    dv.index_add_(0, plan.diag, gvd.sum(1, dtype=acc))
-    for rows, c in plan.off_chunks:
+
+    def diag_part(sl: slice):
+        n = sl.stop - sl.start
+        kd = kb.index_select(0, plan.diag[sl]).view(n, 1, bs, d).expand(n, g, bs, d)
+        vd = vb.index_select(0, plan.diag[sl]).view(n, 1, bs, d).expand(n, g, bs, d)
+        gq, gk, gv = bwd(go[sl], qr[sl], kd, vd, out[sl], lse[sl], 0.0, True, scale=scale)
+        dq[sl] = gq
+        # each row's diagonal block is its own: rows of different slices touch different blocks
+        dk.index_add_(0, plan.diag[sl], gk.sum(1, dtype=acc))
+        dv.index_add_(0, plan.diag[sl], gv.sum(1, dtype=acc))
+
+    _WORKERS.map(diag_part, _row_slices(r, 4 * torch.get_num_threads()))
+
+    locals_: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    lock = threading.Lock()
+
+    def off_part(item):
+        rows, c = item
         n = rows.numel()
         gi = plan.off_gidx[rows, :c].reshape(-1)
         kg = kb.index_select(0, gi).view(n, 1, c * bs, d)
@@ -232,10 +310,20 @@ def _split_backward(go, qr, kb, vb, out, lse, plan: Plan, bs: int, scale: float)
         gq, gk, gv = bwd(go.index_select(0, rows).view(n, 1, g * bs, d), qr.index_select(0, rows).view(n, 1, g * bs, d),
                          kg, vg, out.index_select(0, rows).view(n, 1, g * bs, d),
                          lse.index_select(0, rows).view(n, 1, g * bs), 0.0, False, scale=scale)
-        dq.index_add_(0, rows, gq.view(n, g, bs, d))
-        dk.index_add_(0, gi, gk.reshape(n * c, bs, d).to(acc))
-        dv.index_add_(0, gi, gv.reshape(n * c, bs, d).to(acc))
-    return dq, dk.to(kb.dtype), dv.to(vb.dtype)
+        dq.index_add_(0, rows, gq.view(n, g, bs, d).to(acc))  # rows of different chunks are disjoint
+        tid = threading.get_ident()
+        with lock:
+            if tid not in locals_:
+                locals_[tid] = (torch.zeros_like(dk), torch.zeros_like(dv))
+            adk, adv = locals_[tid]
+        adk.index_add_(0, gi, gk.reshape(n * c, bs, d).to(acc))
+        adv.index_add_(0, gi, gv.reshape(n * c, bs, d).to(acc))
+
+    _WORKERS.map(off_part, plan.off_chunks, cost=lambda it: it[0].numel() * it[1])
+    for adk, adv in locals_.values():
+        dk.add_(adk)
+        dv.add_(adv)
+    return dq.to(qr.dtype), dk.to(kb.dtype), dv.to(vb.dtype)
 
 
 class BlockSparseAttentionFn(torch.autograd.Function):

@@ -1,0 +1,89 @@
+"""`sbft bench attention`: one attention layer, forward + backward, block-sparse vs dense SDPA."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from .common import console, user_errors
+
+bench_app = typer.Typer(help="Micro-benchmarks.", no_args_is_help=True)
+
+
+def _floats(text: str, name: str) -> list[float]:
+    from sparsebalance_ft.errors import UserError
+
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--{name}: expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise UserError(f"--{name}: empty list")
+    return values
+
+
+@bench_app.command("attention")
+@user_errors
+def attention(
+    lengths: str = typer.Option("4096,8192,16384,32768", help="Comma-separated sequence lengths (tokens)."),
+    densities: str = typer.Option("0.05,0.1,0.25,1.0", help="Comma-separated target densities (share of causal blocks); 1.0 = full budget."),
+    repeats: int = typer.Option(1, min=1, help="Alternating sparse/dense repetitions (median reported)."),
+    heads: int = typer.Option(8, min=1, help="Query heads."),
+    kv_heads: int = typer.Option(2, min=1, help="Key-value heads (GQA)."),
+    head_dim: int = typer.Option(64, min=8),
+    block_size: int = typer.Option(64, min=16),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    device: str = typer.Option("cpu"),
+    backend: str = typer.Option("auto", help="auto, torch, flex or triton."),
+    dense: bool = typer.Option(True, "--dense/--no-dense", help="Also time dense SDPA (off: memory checks at long lengths)."),
+    kernel_at_full: bool = typer.Option(False, help="Also time the sparse kernel keeping every block."),
+    out: Path | None = typer.Option(None, "--out", help="Write the results as JSON here."),
+) -> None:
+    """Time sparse vs dense attention and print a table (speedup, ideal speedup, memory, selection share)."""
+    from sparsebalance_ft.attention.config import SparsityConfig
+    from sparsebalance_ft.bench.attention import run_attention_bench
+    from sparsebalance_ft.errors import UserError
+
+    lens = [int(x) for x in _floats(lengths, "lengths")]
+    dens = _floats(densities, "densities")
+    if any(d <= 0 or d > 1 for d in dens):
+        raise UserError("--densities: each must be in (0, 1]")
+    if heads % kv_heads:
+        raise UserError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"--dtype: unknown {dtype!r}")
+    if backend not in ("auto", "torch", "flex", "triton"):
+        raise UserError(f"--backend: unknown {backend!r}")
+    try:
+        SparsityConfig(block_size=block_size)
+    except ValueError as e:
+        raise UserError(f"--block-size: {e}") from None
+
+    def progress(length, density, sparse_s, dense_s):
+        d = f", dense {dense_s:.2f}s" if dense_s is not None else ""
+        console.print(f"  L={length} density={density:g}: sparse {sparse_s:.2f}s{d}", highlight=False)
+
+    result = run_attention_bench(lens, dens, repeats, heads, kv_heads, head_dim, block_size, dtype, device, backend,
+                                 dense, kernel_at_full, progress=progress)
+    s = result["setup"]
+    table = Table(title=f"attention fwd+bwd: {s['heads']} q heads, {s['kv_heads']} kv heads, head_dim {s['head_dim']}, "
+                        f"block {s['block_size']}, {s['dtype']}, {s['device']} ({s['torch_threads']} threads)")
+    for col in ("length", "density", "route", "sparse s", "dense s", "speedup", "ideal", "of ideal", "select share",
+                "sparse MiB", "dense MiB"):
+        table.add_column(col, justify="right")
+    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+    for r in result["rows"]:
+        table.add_row(str(r["length"]), f(r["density"], 3), r["route"], f(r["sparse_s"]), f(r["dense_s"]),
+                      f(r["speedup"]), f(r["ideal_speedup"], 1), f(r["share_of_ideal"]),
+                      f(r["selection_share"]), f(r["sparse_peak_mb"], 0), f(r["dense_peak_mb"], 0))
+    console.print(table)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        console.print(f"wrote {out}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")

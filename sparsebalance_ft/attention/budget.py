@@ -1,0 +1,245 @@
+"""The budget API: what the balancer sets before a forward, and the report it reads after.
+
+A budget ``b`` in [0, 1] maps monotonically onto the pair (``tau``, ``k_max``):
+
+- ``b = config.budget`` (the default) gives exactly (``config.tau``, ``config.k_max``);
+- below it both shrink linearly towards (0, ``k_min``) at ``b = 0`` (anchors plus ``k_min`` floor only);
+- above it ``tau`` rises linearly to 1 and ``k_max`` grows as ``k_max / (1 - t)`` (t the position between the
+  default and 1), reaching "no cap" at ``b = 1``, where every causal block is kept: dense attention exactly.
+
+More budget never keeps fewer blocks: a larger ``tau`` adds blocks in rank order and a larger cap only lifts
+a limit.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .config import SparsityConfig
+
+NO_CAP = 2**31 - 1  # k_max meaning "no cap"
+
+
+def budget_params(config: SparsityConfig, budget: float) -> tuple[float, int]:
+    """(tau, k_max) that `budget` maps to. k_max == NO_CAP means uncapped (budget 1.0)."""
+    b = float(budget)
+    if not 0.0 <= b <= 1.0 or math.isnan(b):
+        raise ValueError(f"budget must be in [0, 1], got {budget!r}")
+    b0, tau0, kmax0, kmin = config.budget, config.tau, config.k_max, config.k_min
+    if b >= 1.0:
+        return 1.0, NO_CAP
+    if b <= b0 and b0 > 0.0:
+        t = b / b0
+        return tau0 * t, int(round(kmin + (kmax0 - kmin) * t))
+    t = (b - b0) / (1.0 - b0) if b0 < 1.0 else 0.0
+    tau = min(1.0, tau0 + (1.0 - tau0) * t)
+    return tau, int(min(NO_CAP, round(kmax0 / max(1e-9, 1.0 - t))))
+
+
+def _anchor_counts(nb: int, sink: int, local: int) -> np.ndarray:
+    i = np.arange(nb)
+    s = np.minimum(sink, i + 1)
+    lo = np.maximum(0, i - local + 1)
+    overlap = np.maximum(0, s - lo)
+    return s + (i - lo + 1) - overlap
+
+
+def max_density(length: int, config: SparsityConfig, budget: float) -> float:
+    """Density (kept / causal blocks) of a document of `length` tokens if every query block kept its cap
+    max(k_max, anchors) (never more than its causal blocks): an upper bound for the threshold selection."""
+    tau, k_max = budget_params(config, budget)
+    nb = max(1, math.ceil(int(length) / config.block_size))
+    causal = np.arange(1, nb + 1)
+    if k_max >= nb:
+        return 1.0
+    cap = np.maximum(k_max, _anchor_counts(nb, config.sink_blocks, config.local_blocks))
+    cap = np.maximum(cap, config.k_min)
+    return float(np.minimum(cap, causal).sum() / causal.sum())
+
+
+@dataclass
+class AttentionReport:
+    """What the attention did since the last `pop_report()`.
+
+    layer_density[l]: kept / causal blocks over all forwards, heads and query blocks of layer l (None: not run;
+    dense layers report 1.0). layer_recall[l]: mean sampled recall (None when no samples were taken).
+    doc_densities: one (document_length, density) per document per forward, density = kept / causal blocks
+    summed over layers (dense layers included) and key-value heads.
+    """
+
+    layer_density: list[float | None]
+    layer_recall: list[float | None]
+    doc_densities: list[tuple[int, float]]
+    layer_budget: list[float]
+    forwards: int = 0
+    selection_seconds: float = 0.0
+    forced_density: float | None = None
+
+    @property
+    def mean_density(self) -> float | None:
+        vals = [d for d in self.layer_density if d is not None]
+        return float(np.mean(vals)) if vals else None
+
+    @property
+    def mean_recall(self) -> float | None:
+        vals = [r for r in self.layer_recall if r is not None]
+        return float(np.mean(vals)) if vals else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["doc_densities"] = [list(x) for x in self.doc_densities]
+        d["mean_density"] = self.mean_density
+        d["mean_recall"] = self.mean_recall
+        return d
+
+
+@dataclass
+class _Accum:
+    kept: np.ndarray
+    causal: np.ndarray
+    recall_sum: np.ndarray
+    recall_n: np.ndarray
+    docs: dict = field(default_factory=dict)  # (forward, row, doc) -> [length, kept, causal]
+    forwards: int = 0
+    last_layer: int | None = None
+    selection_seconds: float = 0.0
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward (e.g. gradient-checkpoint recomputation): not a new forward."""
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError:  # pragma: no cover
+        return False
+
+
+class SparseAttentionController:
+    """Per-model state of the `sparsebalance` attention: budgets in, reports out."""
+
+    def __init__(self, config: SparsityConfig | None = None, num_layers: int = 1):
+        self.config = config or SparsityConfig()
+        self.num_layers = int(num_layers)
+        self._budgets = [float(self.config.budget)] * self.num_layers
+        self._forced: float | None = None
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._acc = self._new_acc()
+        dense = set()
+        for i in self.config.dense_layers:
+            j = i + self.num_layers if i < 0 else i
+            if not 0 <= j < self.num_layers:
+                raise ValueError(f"sparsity.dense_layers: layer {i} out of range for {self.num_layers} layers")
+            dense.add(j)
+        self.dense_layers = frozenset(dense)
+
+    # -- wiring ---------------------------------------------------------------------------------------
+    @classmethod
+    def attach(cls, model: torch.nn.Module, config: SparsityConfig | None = None) -> "SparseAttentionController":
+        """Register the implementation, switch `model` (peft-wrapped or not) to it, and bind a controller."""
+        from .register import bind_controller, register_sparse_attention
+
+        register_sparse_attention()
+        base = _base_model(model)
+        hf_config = base.config
+        num_layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0) or _count_layers(base)
+        controller = cls(config, num_layers)
+        if getattr(hf_config, "_attn_implementation", None) != "sparsebalance":
+            base.set_attn_implementation("sparsebalance")
+        bound = bind_controller(base, controller)
+        if bound == 0:
+            raise ValueError("found no attention module with a `layer_idx` to attach the sparse attention to")
+        return controller
+
+    # -- the knob -------------------------------------------------------------------------------------
+    def set_budget(self, budget: float | Sequence[float]) -> None:
+        if isinstance(budget, (int, float)):
+            values = [float(budget)] * self.num_layers
+        else:
+            values = [float(b) for b in budget]
+            if len(values) != self.num_layers:
+                raise ValueError(f"expected {self.num_layers} per-layer budgets, got {len(values)}")
+        for b in values:
+            if not 0.0 <= b <= 1.0 or math.isnan(b):
+                raise ValueError(f"budget must be in [0, 1], got {b!r}")
+        self._budgets = values
+
+    @property
+    def budgets(self) -> list[float]:
+        return list(self._budgets)
+
+    def budget_for(self, layer: int) -> float:
+        return self._budgets[layer] if 0 <= layer < self.num_layers else float(self.config.budget)
+
+    def force_density(self, density: float | None) -> None:
+        """Profiling mode: every query block keeps round(density * causal blocks) (>= 1); None switches it off."""
+        if density is not None and not 0.0 <= float(density) <= 1.0:
+            raise ValueError(f"forced density must be in [0, 1], got {density!r}")
+        self._forced = None if density is None else float(density)
+
+    @property
+    def forced_density(self) -> float | None:
+        return self._forced
+
+    # -- reports --------------------------------------------------------------------------------------
+    def _new_acc(self) -> _Accum:
+        n = self.num_layers
+        return _Accum(np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n))
+
+    def next_call_seed(self) -> int:
+        with self._lock:
+            self._calls += 1
+            return self._calls
+
+    def record(self, layer: int, row: int, doc_lengths: list[int], doc_kept: np.ndarray, doc_causal: np.ndarray,
+               recall: float | None, selection_seconds: float = 0.0) -> None:
+        """Account one layer call for one batch row (kept/causal per document, summed over kv heads)."""
+        if _in_backward():
+            return
+        with self._lock:
+            acc = self._acc
+            if row == 0 and (acc.last_layer is None or layer <= acc.last_layer):
+                acc.forwards += 1
+            if row == 0:
+                acc.last_layer = layer
+            if 0 <= layer < self.num_layers:
+                acc.kept[layer] += float(doc_kept.sum())
+                acc.causal[layer] += float(doc_causal.sum())
+                if recall is not None:
+                    acc.recall_sum[layer] += recall
+                    acc.recall_n[layer] += 1
+            acc.selection_seconds += selection_seconds
+            f = acc.forwards
+            for d, (n, kk, cc) in enumerate(zip(doc_lengths, doc_kept.tolist(), doc_causal.tolist())):
+                slot = acc.docs.setdefault((f, row, d), [n, 0.0, 0.0])
+                slot[1] += kk
+                slot[2] += cc
+
+    def pop_report(self) -> AttentionReport:
+        with self._lock:
+            acc, self._acc = self._acc, self._new_acc()
+        dens = [float(k / c) if c > 0 else None for k, c in zip(acc.kept, acc.causal)]
+        rec = [float(s / n) if n > 0 else None for s, n in zip(acc.recall_sum, acc.recall_n)]
+        docs = [(int(n), float(k / c) if c > 0 else 1.0) for (n, k, c) in acc.docs.values()]
+        return AttentionReport(dens, rec, docs, self.budgets, acc.forwards, acc.selection_seconds, self._forced)
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper (or the model itself)."""
+    get = getattr(model, "get_base_model", None)
+    if callable(get):
+        try:
+            return get()
+        except Exception:  # pragma: no cover
+            pass
+    return model
+
+
+def _count_layers(model: torch.nn.Module) -> int:
+    idx = [getattr(m, "layer_idx", None) for m in model.modules()]
+    idx = [i for i in idx if isinstance(i, int)]
+    return max(idx) + 1 if idx else 1

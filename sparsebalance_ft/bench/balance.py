@@ -1,0 +1,94 @@
+"""The balancing experiment: the same training run under five configurations, measured alternately.
+
+Every configuration trains the same model from the same initialisation on the same documents,
+steps and seed, as real ranks (one process each, gloo on a CPU). Configurations run one after
+another in rounds (baseline, SAB, DST, SAB+DST, dense, baseline, ...), so slow drift of a
+shared machine hits all of them alike. Times come from each run's own metrics.jsonl: the sum of
+step times (start-up and model loading excluded), the step time as the slowest rank saw it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from ..train.metrics import read_metrics
+
+CONFIGURATIONS: dict[str, list[str]] = {
+    "baseline": ["balance.batching=random", "balance.tuning=none"],
+    "sab": ["balance.batching=sparsebalance", "balance.tuning=none"],
+    "dst": ["balance.batching=random", "balance.tuning=bidirectional"],
+    "sab+dst": ["balance.batching=sparsebalance", "balance.tuning=bidirectional"],
+    "dense": ["model.attn_implementation=sdpa", "balance.batching=random", "balance.tuning=none"],
+}
+
+
+def _mean(values) -> float | None:
+    finite = [v for v in values if v is not None]
+    return sum(finite) / len(finite) if finite else None
+
+
+def _median_of_rounds(results: list[dict]) -> dict:
+    merged = {}
+    for key in results[0]:
+        values = [r[key] for r in results if r[key] is not None]
+        merged[key] = statistics.median(values) if values else None
+    merged["train_times"] = [r["train_time"] for r in results]
+    return merged
+
+
+def summarise_run(run_dir: Path) -> dict:
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    ranks = [r for row in rows for r in row["ranks"]]
+    tail = rows[-5:]
+    return {
+        "steps": len(rows),
+        "train_time": sum(row["step_time"] for row in rows),
+        "mean_step_time": statistics.mean(row["step_time"] for row in rows),
+        "bubble": _mean(row["bubble"] for row in rows),
+        "imbalance": _mean(row["imbalance"] for row in rows),
+        "mean_budget": _mean(r["budget"] for r in ranks),
+        "mean_density": _mean(r["density"] for r in ranks),
+        "mean_recall": _mean(r["recall"] for r in ranks),
+        "final_loss": rows[-1]["loss"],
+        "loss_last5": _mean(row["loss"] for row in tail),
+    }
+
+
+def run_configuration(recipe: Path, name: str, out_dir: Path, nproc: int, overrides: list[str]) -> dict:
+    run_dir = out_dir / name
+    argv = [sys.executable, "-m", "sbft_cli.app", "train", str(recipe), "--nproc", str(nproc)]
+    for item in [*overrides, *CONFIGURATIONS[name], f"training.output_dir={run_dir}"]:
+        argv += ["--set", item]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(argv, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"configuration {name} failed:\n{result.stderr[-4000:]}")
+    return summarise_run(run_dir)
+
+
+def run_balance_bench(
+    recipe: Path, out_dir: Path, rounds: int = 1, nproc: int = 2, overrides: list[str] | None = None,
+    configurations: list[str] | None = None, on_result=None,
+) -> dict:
+    """Run each configuration `rounds` times, interleaved; every figure is the median over rounds."""
+    names = configurations or list(CONFIGURATIONS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        for name in names:
+            result = run_configuration(recipe, name, out_dir / f"round{round_index}", nproc, overrides or [])
+            runs[name].append(result)
+            if on_result:
+                on_result(round_index, name, result)
+    summary = {name: _median_of_rounds(results) for name, results in runs.items()}
+    if "baseline" in summary:
+        base = summary["baseline"]["train_time"]
+        for row in summary.values():
+            row["speedup_vs_baseline"] = base / row["train_time"]
+    report = {"recipe": str(recipe), "nproc": nproc, "rounds": rounds, "overrides": overrides or [], "results": summary}
+    (out_dir / "balance.json").write_text(json.dumps(report, indent=2))
+    return report

@@ -1,0 +1,62 @@
+"""The attention benchmark and its CLI command, on tiny shapes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from sparsebalance_ft.bench.attention import run_attention_bench
+
+
+def test_run_attention_bench_rows():
+    res = run_attention_bench(lengths=[256], densities=[0.3, 1.0], repeats=1, heads=4, kv_heads=2, head_dim=16,
+                              kernel_at_full=True, warmup=False)
+    rows = res["rows"]
+    assert [r["route"] for r in rows] == ["sparse-torch", "dense-sdpa", "full-kernel"]
+    for r in rows:
+        assert r["sparse_s"] > 0 and r["dense_s"] > 0 and r["speedup"] > 0
+        assert 0 <= r["selection_share"] <= 1
+        assert r["ideal_speedup"] == pytest.approx(1 / r["density"])
+    assert res["setup"]["kv_heads"] == 2
+
+
+def test_bench_cli_writes_json(tmp_path):
+    from sbft_cli.bench import register
+
+    app = typer.Typer()
+    register(app)
+
+    @app.callback()
+    def _root() -> None:  # a group, so that `bench` is a subcommand
+        pass
+
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "attention", "--lengths", "256", "--densities", "0.5,1",
+                                      "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == 2
+    bad = CliRunner().invoke(app, ["bench", "attention", "--densities", "0,2"])
+    assert bad.exit_code == 2
+
+
+def test_gradient_checkpointing_recompute_is_not_counted(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from sparsebalance_ft.attention import SparseAttentionController, SparsityConfig, register_sparse_attention
+
+    register_sparse_attention()
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sparsebalance")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ctl = SparseAttentionController.attach(model, SparsityConfig(block_size=16, k_min=1, k_max=2))
+    ids = torch.randint(0, 64, (1, 96))
+    model(input_ids=ids, labels=ids).loss.backward()
+    rep = ctl.pop_report()
+    assert rep.forwards == 1 and len(rep.doc_densities) == 1

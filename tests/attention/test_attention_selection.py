@@ -1,0 +1,167 @@
+"""Selection, budget mapping and reports."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparsebalance_ft.attention import (
+    NO_CAP,
+    SparseAttentionController,
+    SparsityConfig,
+    budget_params,
+    make_layout,
+    max_density,
+    select_blocks,
+)
+from sparsebalance_ft.attention.register import sparse_attention_row
+from sparsebalance_ft.attention.selection import allowed_blocks, causal_counts, documents_from_positions, sampled_recall
+
+
+def _qk(hq=4, hkv=2, length=1024, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(hq, length, d, generator=g)
+    k = torch.randn(hkv, length, d, generator=g)
+    # make attention peaky: a few key blocks share a direction with the queries
+    k[:, 300:364] += 2.0 * q[:1, :64].mean(1, keepdim=True)
+    return q, k
+
+
+def _select(cfg: SparsityConfig, budget: float, q, k, layout, **kw):
+    tau, k_max = budget_params(cfg, budget)
+    return select_blocks(q, k, layout, tau=tau, k_max=k_max, k_min=cfg.k_min, sink_blocks=cfg.sink_blocks,
+                         local_blocks=cfg.local_blocks, scale=q.shape[-1] ** -0.5, **kw)
+
+
+def test_budget_params_monotone_and_endpoints():
+    cfg = SparsityConfig(tau=0.9, k_max=64, k_min=4, budget=0.5)
+    grid = np.linspace(0, 1, 41)
+    params = [budget_params(cfg, b) for b in grid]
+    taus, caps = zip(*params)
+    assert all(a <= b for a, b in zip(taus, taus[1:])) and all(a <= b for a, b in zip(caps, caps[1:]))
+    assert budget_params(cfg, 0.5) == (0.9, 64)
+    assert budget_params(cfg, 1.0) == (1.0, NO_CAP)
+    assert budget_params(cfg, 0.0)[1] == cfg.k_min
+    with pytest.raises(ValueError):
+        budget_params(cfg, 1.5)
+
+
+@pytest.mark.parametrize("bs", [64, 128])
+def test_more_budget_keeps_more_blocks(bs):
+    cfg = SparsityConfig(block_size=bs, k_min=2, k_max=6, budget=0.5)
+    q, k = _qk(length=16 * bs // 2 * 2)
+    layout = make_layout([q.shape[1]], bs)
+    prev = None
+    for b in np.linspace(0, 1, 11):
+        sel = _select(cfg, float(b), q, k, layout)
+        kept = torch.zeros(sel.indices.shape[0], layout.num_blocks, layout.num_blocks, dtype=torch.bool)
+        for h in range(kept.shape[0]):
+            for i in range(kept.shape[1]):
+                kept[h, i, sel.indices[h, i, : sel.counts[h, i]]] = True
+        if prev is not None:
+            assert bool((kept | ~prev).all()), f"budget {b} dropped blocks kept at a lower budget"
+        prev = kept
+        assert float(sel.counts.sum()) / float(sel.causal.sum() * 2) <= max_density(q.shape[1], cfg, float(b)) + 1e-9
+    assert bool((sel.counts == sel.causal[None]).all())  # budget 1.0 keeps everything
+
+
+def test_caps_anchors_and_documents():
+    cfg = SparsityConfig(block_size=64, sink_blocks=1, local_blocks=2, k_min=3, k_max=4, tau=0.99)
+    q, k = _qk(length=1600)
+    layout = make_layout([700, 900], 64)  # the second document starts at a block boundary in the layout
+    from sparsebalance_ft.attention.selection import to_layout
+
+    qp, kp = to_layout(q[None], layout)[0], to_layout(k[None], layout)[0]
+    sel = _select(cfg, cfg.budget, qp, kp, layout)
+    allowed = allowed_blocks(layout)
+    start = layout.block_start
+    for h in range(2):
+        for i in range(layout.num_blocks):
+            kept = sel.indices[h, i, : sel.counts[h, i]].tolist()
+            assert len(set(kept)) == len(kept)
+            assert all(bool(allowed[i, j]) for j in kept), "kept a block across documents or the causal edge"
+            assert i in kept and int(start[i]) in kept  # diagonal and sink anchors
+            if i - 1 >= int(start[i]):
+                assert i - 1 in kept
+            c = int(sel.causal[i])
+            assert min(c, cfg.k_min) <= len(kept) <= max(cfg.k_max, 3)
+
+
+def test_force_density_counts():
+    q, k = _qk(length=2048)
+    layout = make_layout([2048], 64)
+    for d in (0.05, 0.3, 0.77):
+        sel = select_blocks(q, k, layout, tau=0.9, k_max=4, k_min=2, sink_blocks=1, local_blocks=2, scale=0.2,
+                            force_density=d)
+        want = torch.clamp(torch.round(d * sel.causal.double()).long(), min=1)
+        assert torch.equal(sel.counts, torch.minimum(want, sel.causal)[None].expand_as(sel.counts))
+        # anchors come first: the diagonal is always kept
+        for i in range(layout.num_blocks):
+            assert i in sel.indices[0, i, : sel.counts[0, i]].tolist()
+
+
+def test_recall_full_is_one_and_partial_is_below():
+    q, k = _qk(length=1024)
+    layout = make_layout([1024], 64)
+    full = select_blocks(q, k, layout, tau=1.0, k_max=NO_CAP, k_min=1, sink_blocks=1, local_blocks=1, scale=0.2)
+    assert sampled_recall(q, k, layout, full, 4, 0.2) == 1.0
+    full.full = False  # force the measured path: every kept block, exact mass
+    assert sampled_recall(q, k, layout, full, 6, 0.2, torch.Generator().manual_seed(0)) == pytest.approx(1.0, abs=1e-5)
+    part = select_blocks(q, k, layout, tau=0.3, k_max=2, k_min=1, sink_blocks=1, local_blocks=1, scale=0.2)
+    r = sampled_recall(q, k, layout, part, 6, 0.2, torch.Generator().manual_seed(0))
+    assert 0.0 < r < 1.0
+
+
+def test_layout_helpers():
+    assert documents_from_positions(torch.tensor([0, 1, 2, 0, 1, 0])) == [3, 2, 1]
+    layout = make_layout([100, 30], 64)
+    assert layout.num_blocks == 3 and layout.block_tokens.tolist() == [64, 36, 30]
+    assert causal_counts(layout).tolist() == allowed_blocks(layout).sum(-1).tolist() == [1, 2, 1]
+    assert causal_counts(layout, 70).tolist() == allowed_blocks(layout, 70).sum(-1).tolist()
+
+
+def test_controller_full_budget_exact_and_reports():
+    """Through the attention entry point: budget 1.0 equals dense causal attention (output and grads), for
+    the fused dense route and for the sparse kernel keeping every block; the report counts every block."""
+    hq, hkv, length, d = 4, 2, 640, 32
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, length, d, generator=g).requires_grad_() for h in (hq, hkv, hkv))
+    go = torch.randn(1, hq, length, d)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    ref_g = torch.autograd.grad(ref, (q, k, v), go)
+    layout = make_layout([length], 64)
+    for route in (True, False):
+        ctl = SparseAttentionController(SparsityConfig(exact_dense_at_full_budget=route, recall_samples=3), 2)
+        ctl.set_budget(1.0)
+        out = sparse_attention_row(ctl, 1, q, k, v, layout, d**-0.5)
+        grads = torch.autograd.grad(out, (q, k, v), go)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+        for a, b in zip(grads, ref_g):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+        rep = ctl.pop_report()
+        assert rep.layer_density == [None, 1.0] and rep.layer_recall[1] == 1.0
+        assert rep.doc_densities == [(length, 1.0)] and rep.forwards == 1
+        assert ctl.pop_report().forwards == 0  # popping resets
+
+
+def test_controller_budget_validation_and_dense_layers():
+    ctl = SparseAttentionController(SparsityConfig(dense_layers=[0, -1]), 4)
+    assert ctl.dense_layers == {0, 3}
+    with pytest.raises(ValueError):
+        ctl.set_budget([0.5, 0.5])
+    with pytest.raises(ValueError):
+        ctl.set_budget(1.2)
+    ctl.set_budget([0.1, 0.2, 0.3, 0.4])
+    assert ctl.budgets == [0.1, 0.2, 0.3, 0.4]
+    with pytest.raises(ValueError):
+        SparseAttentionController(SparsityConfig(dense_layers=[7]), 4)
+
+
+def test_max_density_bounds():
+    cfg = SparsityConfig()
+    assert max_density(1000, cfg, 1.0) == 1.0
+    assert max_density(32768, cfg, 0.0) < max_density(32768, cfg, 0.5) < max_density(32768, cfg, 0.9) <= 1.0
+    assert math.isclose(max_density(64, cfg, 0.2), 1.0)
