@@ -5,7 +5,7 @@ import warnings
 
 import typer
 
-from . import export, init_tiny, report, simulate, train
+from . import bench, eval, export, init_tiny, profile, report, simulate, synth, train
 
 # peft asks transformers a deprecated question on every LoRA wrap; the warning is not the user's to act on.
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -18,7 +18,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
-for command in (init_tiny, train, export, report, simulate):
+for command in (init_tiny, synth, train, export, profile, simulate, bench, eval, report):
     command.register(app)
 
 

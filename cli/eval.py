@@ -39,6 +39,7 @@ def register(app: typer.Typer) -> None:
         datasets: Optional[str] = typer.Option(None, "--datasets", help="LongBench: comma-separated dataset names to keep."),
         limit: Optional[int] = typer.Option(None, "--limit", min=1, help="LongBench: at most this many examples per dataset."),
         chat_template: bool = typer.Option(False, "--chat-template", help="LongBench: wrap prompts in the tokenizer's chat template."),
+        nll: bool = typer.Option(False, "--nll", help="Retrieval tasks: also score the answer's teacher-forced NLL."),
         nproc: int = typer.Option(1, "--nproc", min=1, help="Shard the examples over this many local ranks."),
     ) -> None:
         """Passkey / key-value retrieval, needle in a haystack, or LongBench-format tasks; writes JSON (+ heatmap)."""
@@ -68,6 +69,8 @@ def register(app: typer.Typer) -> None:
                     argv.append(f"{flag}={value}")
             if chat_template:
                 argv.append("--chat-template")
+            if nll:
+                argv.append("--nll")
             try:
                 launch_ranks(nproc, argv)
             except RankFailed as failure:
@@ -99,6 +102,7 @@ def register(app: typer.Typer) -> None:
                 datasets=[d.strip() for d in datasets.split(",") if d.strip()] if datasets else None,
                 limit=limit,
                 chat_template=chat_template,
+                answer_nll=nll,
                 show_progress=True,
             )
             if rank == 0:
@@ -129,6 +133,8 @@ def _print_result(result: dict) -> None:
         for length, accuracy in result["by_length"].items():
             table.add_row(length, _fmt(accuracy))
         console.print(table)
+        if result.get("answer_nll") is not None:
+            extra += f", answer NLL {result['answer_nll']:.3f} nats/token"
         console.print(f"overall {_fmt(result['accuracy'])} over {result['n']} prompts{extra}")
     files = result.get("files") or {}
     if files:

@@ -42,6 +42,8 @@ def register(app: typer.Typer) -> None:
         threads: Optional[int] = typer.Option(None, min=1, help="torch threads while timing (default: as configured)."),
         clock: str = typer.Option("auto", help="wall, cpu (process CPU time; reproducible on a shared CPU with --threads 1) or auto."),
         micro_batches: int = typer.Option(24, min=1, help="Random packed micro-batches to validate on."),
+        calibration_batches: int = typer.Option(12, min=0, help="Random packed micro-batches the profile fits its overheads on."),
+        token_points: int = typer.Option(6, min=2, help="Token counts at which the attention-free part is timed."),
         seed: int = typer.Option(0, help="Seed of the random inputs."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
     ) -> None:
@@ -51,12 +53,8 @@ def register(app: typer.Typer) -> None:
         if clock not in ("auto", "wall", "cpu"):
             raise ProfileArgumentError(f"--clock: expected wall, cpu or auto, got {clock!r}")
         data = load_recipe(recipe, overrides)
-        if clock == "auto":
-            import torch
 
-            clock = "cpu" if (not torch.cuda.is_available() and threads == 1) else "wall"
-
-        if validate is not None:
+        if validate is not None:  # clock and threads default to the profile's own
             from sparsebalance_ft.cost.validate import validate_recipe
 
             if not validate.is_file():
@@ -71,11 +69,16 @@ def register(app: typer.Typer) -> None:
 
         from sparsebalance_ft.cost.profiler import ProfileSettings, profile_recipe
 
+        if clock == "auto":
+            import torch
+
+            clock = "cpu" if (not torch.cuda.is_available() and threads == 1) else "wall"
+
         settings = ProfileSettings(
             lengths=[int(x) for x in _floats(lengths, "lengths") or []] or None,
             densities=_floats(densities, "densities"),
             points_per_octave=points_per_octave, repeats=repeats, warmup=warmup, seed=seed,
-            threads=threads, clock=clock,
+            threads=threads, clock=clock, calibration_batches=calibration_batches, token_points=token_points,
         )
         if settings.lengths and max(settings.lengths) > data.data.max_seq_len:
             raise ProfileArgumentError(f"--lengths: {max(settings.lengths)} exceeds data.max_seq_len ({data.data.max_seq_len})")
@@ -86,7 +89,8 @@ def register(app: typer.Typer) -> None:
         model = profile_recipe(data, settings, progress=progress)
         model.save(out)
         console.print(
-            f"wrote {out}: {len(model.lengths)} lengths x {len(model.densities)} densities,"
+            f"wrote {out}: {len(model.lengths)} lengths x {len(model.densities)} densities"
+            f"{' + dense path' if model.dense_attn is not None else ''},"
             f" {len(model.tokens)} token counts, {model.meta.get('profiling_seconds', 0):.0f} s"
             f" ({model.meta['hardware'].get('device_name')}, {clock} clock)"
         )

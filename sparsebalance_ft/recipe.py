@@ -32,16 +32,20 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights dtype; auto picks bfloat16 where the device supports it, else float32."
     )
-    attn_implementation: Literal["sdpa", "eager", "sparsebalance", "flash_attention_2", "flex_attention"] = "sdpa"
-    gradient_checkpointing: bool = False
+    attn_implementation: Literal["sdpa", "eager", "sparsebalance", "flash_attention_2", "flex_attention"] = Field(
+        "sdpa", description="Attention backend; `sparsebalance` is the dynamic block-sparse attention the balancer tunes."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
 
 
 class LoraConfig(_Section):
-    enabled: bool = True
-    r: int = Field(8, ge=1)
-    alpha: int = Field(16, ge=1)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    enabled: bool = Field(True, description="Train a LoRA adapter (off: the base model is not trained, e.g. for evaluation).")
+    r: int = Field(8, ge=1, description="LoRA rank.")
+    alpha: int = Field(16, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], description="Module names that get adapters."
+    )
     modules_to_save: list[str] = Field(
         default_factory=list,
         description="Modules trained in full beside the adapter, e.g. embed_tokens and norms as LongLoRA found necessary.",
@@ -50,36 +54,40 @@ class LoraConfig(_Section):
 
 class DataConfig(_Section):
     path: str = Field(..., description="JSONL or Parquet file, folder of text files, or a `save_to_disk` dataset folder.")
-    format: Literal["auto", "jsonl", "parquet", "text", "saved"] = "auto"
-    text_field: str = "text"
+    format: Literal["auto", "jsonl", "parquet", "text", "saved"] = Field("auto", description="Detected from the path when auto.")
+    text_field: str = Field("text", description="Field holding each document's text (JSONL, Parquet, saved datasets).")
     messages_field: str | None = Field(None, description="Field holding chat messages; rendered with the chat template.")
     text_glob: str = Field("**/*", description="Which files of a text folder to read.")
     tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to the model's.")
-    max_seq_len: int = Field(4096, ge=8)
+    max_seq_len: int = Field(4096, ge=8, description="Longest sequence in tokens; longer ones follow `too_long`.")
     min_seq_len: int = Field(16, ge=2, description="Shorter documents are dropped (and counted).")
-    too_long: Literal["truncate", "drop", "error"] = "truncate"
-    max_documents: int | None = Field(None, ge=1)
+    too_long: Literal["truncate", "drop", "error"] = Field(
+        "truncate", description="What to do with a document over max_seq_len (counted and logged either way)."
+    )
+    max_documents: int | None = Field(None, ge=1, description="Read at most this many documents.")
     cache_dir: str = Field(".sbft_cache", description="Where tokenized datasets are cached and reused.")
 
 
 class TrainingConfig(_Section):
-    output_dir: str = "runs/default"
+    output_dir: str = Field("runs/default", description="Metrics, checkpoints, TensorBoard logs and the final adapter.")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; if unset, `epochs` passes over the data.")
-    epochs: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1, description="Passes over the data when max_steps is unset.")
     docs_per_rank: int = Field(4, ge=1, description="Documents per rank per optimizer step (the step's window is this x world size).")
     micro_batch_tokens: int | None = Field(None, ge=8, description="Token cap of one packed micro-batch; default max_seq_len.")
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    learning_rate: float = Field(2e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
-    seed: int = 0
-    log_every: int = Field(1, ge=1)
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer over the trainable parameters.")
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field("cosine", description="Decay after warm-up, to zero at the last step.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping norm; null disables clipping.")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
+        "auto", description="Autocast precision; auto is bf16 on GPUs that support it, none on CPU."
+    )
+    seed: int = Field(0, description="Seeds the adapter initialisation and the data order.")
+    log_every: int = Field(1, ge=1, description="Steps between printed progress lines (metrics.jsonl gets every step).")
     checkpoint_every: int | None = Field(None, ge=1, description="Steps between checkpoints; none disables them.")
-    keep_checkpoints: int = Field(2, ge=1)
-    tensorboard: bool = True
+    keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept; older ones are deleted.")
+    tensorboard: bool = Field(True, description="Also log scalars to TensorBoard under OUTPUT_DIR/tensorboard.")
 
 
 class Recipe(_Section):

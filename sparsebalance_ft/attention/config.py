@@ -32,7 +32,7 @@ class SparsityConfig(BaseModel):
     )
     recall_samples: int = Field(4, ge=0, description="Query blocks per layer sampled each forward to measure recall.")
     chunk_blocks: int = Field(
-        96, ge=1, description="Gathered key blocks per kernel call (bounds the working memory of the torch kernel)."
+        256, ge=1, description="Gathered key blocks per kernel call (bounds the working memory of the torch kernel)."
     )
     exact_dense_at_full_budget: bool = Field(
         True,

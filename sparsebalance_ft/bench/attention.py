@@ -48,8 +48,39 @@ class BenchRow:
     dense_peak_mb: float | None
 
 
+def _libc():
+    try:
+        import ctypes
+        import ctypes.util
+
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:  # pragma: no cover
+        return None
+
+
+def _tight_malloc() -> None:
+    """glibc only: serve blocks >= 64 KiB by mmap so that freed tensors leave the resident set at once;
+    then RSS above a baseline tracks live tensor memory, which is what the CPU peak below samples."""
+    libc = _libc()
+    try:
+        if libc is not None:
+            libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    except AttributeError:  # pragma: no cover - not glibc
+        pass
+
+
+def _trim() -> None:
+    libc = _libc()
+    try:
+        if libc is not None:
+            libc.malloc_trim(0)
+    except AttributeError:  # pragma: no cover
+        pass
+
+
 class _PeakRSS:
-    """Peak resident memory above the starting point while the block runs (CPU); CUDA: allocator peak."""
+    """Peak resident memory above the starting point while the block runs (CPU: RSS sampled every 5 ms
+    after trimming the heap; CUDA: allocator peak)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -68,6 +99,7 @@ class _PeakRSS:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
             return self
+        _trim()
         self._base = self._rss()
         self._max = self._base or 0
         self._stop = threading.Event()
@@ -168,6 +200,8 @@ def run_attention_bench(
     """Time sparse vs dense attention (one layer, forward + backward). Returns a JSON-able dict."""
     dev = torch.device(device)
     dt = getattr(torch, dtype)
+    if dev.type == "cpu":
+        _tight_malloc()
     cfg = SparsityConfig(block_size=block_size, backend=backend)
     rows: list[BenchRow] = []
     cases = [(d, True) for d in densities]

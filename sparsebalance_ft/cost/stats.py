@@ -107,8 +107,11 @@ class DensityStats:
         prior_strength: float = 2.0,
         decay: float = 1.0,
         budget_bandwidth: float = 0.15,
+        length_bandwidth: float = 1.0,
+        num_layers: int | None = None,
     ) -> None:
         self.config = config or SparsityConfig()
+        self.num_layers = num_layers
         self._prior_fn = prior or attention_prior(self.config)
         lo, hi = np.log2(min_length), np.log2(max_length)
         n_len = int(np.ceil((hi - lo) * buckets_per_octave)) + 1
@@ -117,6 +120,7 @@ class DensityStats:
         self.prior_strength = float(prior_strength)
         self.decay = float(decay)
         self.budget_bandwidth = float(budget_bandwidth)
+        self.length_bandwidth = float(length_bandwidth)
         shape = (3, n_len, budget_points)  # weight, weight*density, weight*density^2 (fixed point)
         self._total = np.zeros(shape, dtype=np.int64)
         self._pending = np.zeros(shape, dtype=np.int64)
@@ -134,9 +138,10 @@ class DensityStats:
     def table(self) -> np.ndarray:
         """Expected density per (length bucket, budget point), monotone in budget; cached.
 
-        Per length bucket: the observed/prior ratio of the observed budget points is smoothed
-        over budget (kernel of width `budget_bandwidth`, plus `prior_strength` pseudo-weight at
-        ratio 1), which reshapes the prior at unobserved budgets; each cell then blends that
+        The observed/prior ratio of the observed cells is smoothed over budget and log length
+        (exponential kernels of widths `budget_bandwidth` and `length_bandwidth` octaves, plus
+        `prior_strength` pseudo-weight at ratio 1), which reshapes the prior at unobserved budgets
+        and nearby lengths; each cell then blends that
         shaped prior (weight `prior_strength`) with its own observations, and a weighted
         isotonic fit makes the row non-decreasing in budget.
         """
@@ -147,8 +152,9 @@ class DensityStats:
             prior = np.maximum(self._prior_table, 1e-6)
             with np.errstate(invalid="ignore", divide="ignore"):
                 ratio = np.where(weight > 0, mass / np.maximum(weight, 1e-12) / prior, 1.0)
-            kernel = np.exp(-np.abs(self.budgets[:, None] - self.budgets[None, :]) / self.budget_bandwidth)
-            smooth = ((weight * ratio) @ kernel.T + k) / (weight @ kernel.T + k)
+            kb = np.exp(-np.abs(self.budgets[:, None] - self.budgets[None, :]) / self.budget_bandwidth)
+            kl = np.exp(-np.abs(self.log_lengths[:, None] - self.log_lengths[None, :]) / self.length_bandwidth)
+            smooth = (kl @ (weight * ratio) @ kb.T + k) / (kl @ weight @ kb.T + k)
             shaped = np.clip(prior * smooth, 0.0, 1.0)
             table = (k * shaped + mass) / np.maximum(k + weight, 1e-12)
             table = np.vstack([_isotonic(row, k + w) for row, w in zip(table, weight)])
@@ -212,6 +218,37 @@ class DensityStats:
                 fixed = np.rint(np.stack([cw, cw * d, cw * d * d]) * _SCALE).astype(np.int64)
                 for q in range(3):
                     np.add.at(self._pending[q], (i + di, j + dj), fixed[q])
+
+    def sparse_layers(self) -> list[int] | None:
+        if not self.num_layers:
+            return None
+        n = int(self.num_layers)
+        dense = {i % n for i in self.config.dense_layers if -n <= i < n}
+        return [i for i in range(n) if i not in dense]
+
+    def observe_report(self, report: Any, budget: float | None = None) -> int:
+        """Observe an `attention.AttentionReport`: its per-document densities at the run's budget.
+
+        The report's document density averages every layer, dense layers (always 1.0) included;
+        the statistics (like the prior and the cost model's per-document density) describe the
+        sparse layers, so with `num_layers` known the dense layers are taken out. `budget`
+        defaults to the mean budget of the sparse layers in the report. Forced-density reports
+        (profiling) are ignored. Returns how many documents were recorded.
+        """
+        if getattr(report, "forced_density", None) is not None or not report.doc_densities:
+            return 0
+        sparse = self.sparse_layers()
+        budgets = list(getattr(report, "layer_budget", []) or [])
+        if budget is None:
+            chosen = [budgets[i] for i in (sparse or range(len(budgets))) if i < len(budgets)]
+            budget = float(np.mean(chosen)) if chosen else float(self.config.budget)
+        lengths = np.array([n for n, _ in report.doc_densities], dtype=np.float64)
+        dens = np.array([d for _, d in report.doc_densities], dtype=np.float64)
+        if sparse is not None and 0 < len(sparse) < self.num_layers:
+            n, k = float(self.num_layers), float(len(sparse))
+            dens = np.clip((dens * n - (n - k)) / k, 0.0, 1.0)
+        self.observe(lengths, dens, budget)
+        return int(lengths.size)
 
     def sync(self, group: Any = None) -> None:
         """Merge pending observations of every rank (one all_reduce); identical result on all ranks."""

@@ -137,8 +137,12 @@ def plot_report(report: dict[str, Any], path: str | Path, title: str = "latency 
             summary = report[kind]
             ax.scatter([c["measured"] for c in sel], [c["predicted"] for c in sel], marker=marker, color=color,
                        label=f"{label} (median APE {summary['median_ape']:.1%}, p90 {summary['p90_ape']:.1%})")
+    from matplotlib.ticker import NullFormatter
+
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_minor_formatter(NullFormatter())
     ax.set_xlabel(f"measured forward+backward seconds ({report.get('clock', 'wall')} clock)")
     ax.set_ylabel("predicted seconds")
     ax.set_title(title)

@@ -208,11 +208,13 @@ def evaluate(
     datasets: Sequence[str] | None = None,
     limit: int | None = None,
     chat_template: bool = False,
+    answer_nll: bool = False,
     show_progress: bool = True,
     loaded: tuple[Any, Any, Any] | None = None,
 ) -> dict[str, Any]:
     """Run `task` and return its result; rank 0 writes `<task>_<attention>.json` (+ predictions, heatmap) to `out_dir`.
 
+    `answer_nll` (passkey, kv, needle) adds the teacher-forced NLL of the answer, a graded measure.
     `loaded` = (model, tokenizer, controller) skips loading (the study reuses one model for several tasks).
     """
     if task not in TASKS:
@@ -256,6 +258,7 @@ def evaluate(
         recorder=recorder,
         description=f"{task} ({attention})",
         show_progress=show_progress,
+        with_nll=answer_nll,
     )
     rank, world = rank_and_world()
     result: dict[str, Any] = {

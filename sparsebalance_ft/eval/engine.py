@@ -32,6 +32,7 @@ class EvalExample:
     meta: dict[str, Any] = field(default_factory=dict)
     all_classes: list[str] | None = None
     postprocess: str | None = None  # "first_line": score only the first line of the prediction
+    continuation: str | None = None  # the reference answer as the prompt's continuation (for `answer_nll`)
 
 
 @dataclass
@@ -183,6 +184,47 @@ def generate_greedy(
     return outputs
 
 
+@torch.no_grad()
+def answer_nll(
+    model,
+    tokenizer,
+    prompts: Sequence[Sequence[int]],
+    continuations: Sequence[str],
+    batch_size: int = 8,
+    allow_padding: bool = True,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[float]:
+    """Mean negative log-likelihood (nats per token) of each continuation after its prompt, teacher-forced.
+
+    A graded retrieval measure: a model that does not find the answer pays about ln(alphabet) per
+    answer token; one that does pays close to nothing, well before greedy decoding is exactly right.
+    """
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    answers = [list(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in continuations]
+    full = [list(p) + a for p, a in zip(prompts, answers)]
+    result = [math.nan] * len(full)
+    for batch in plan_batches([len(f) for f in full], batch_size, allow_padding):
+        width = max(len(full[i]) for i in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, : len(full[i])] = torch.as_tensor(full[i])  # right padding: positions stay 0..n-1
+            mask[row, : len(full[i])] = 1
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for row, i in enumerate(batch):
+            n, k = len(full[i]), len(answers[i])
+            if k == 0:
+                continue
+            targets = torch.as_tensor(answers[i], device=logprobs.device)
+            picked = logprobs[row, n - k - 1 : n - 1].gather(-1, targets[:, None]).squeeze(-1)
+            result[i] = float(-picked.mean())
+        if on_batch is not None:
+            on_batch(len(batch))
+    return result
+
+
 def run_examples(
     model,
     tokenizer,
@@ -192,8 +234,12 @@ def run_examples(
     recorder: AttentionRecorder | None = None,
     description: str = "eval",
     show_progress: bool = True,
+    with_nll: bool = False,
 ) -> list[Scored]:
-    """Generate and score every example; this rank takes examples rank, rank+world, ...; all ranks get all results."""
+    """Generate and score every example; this rank takes examples rank, rank+world, ...; all ranks get all results.
+
+    `with_nll` also records `meta["answer_nll"]` for examples that have a `continuation`.
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     rank, world = rank_and_world()
@@ -234,6 +280,23 @@ def run_examples(
                 text = _postprocess(prediction, ex.postprocess)
                 score = best_score(ex.metric, text, ex.answers, ex.all_classes)
                 local.append((i, Scored(ex.id, prediction, score, ex.answers, dict(ex.meta))))
+        scored_nll = [i for i in mine if with_nll and examples[i].continuation is not None]
+        if scored_nll:
+            nll_task = progress.add_task(f"{description} answer NLL", total=len(scored_nll))
+            values = answer_nll(
+                model,
+                tokenizer,
+                [examples[i].input_ids for i in scored_nll],
+                [examples[i].continuation for i in scored_nll],  # type: ignore[misc]
+                batch_size=batch_size,
+                allow_padding=allow_padding,
+                on_batch=lambda done: progress.advance(nll_task, done),
+            )
+            if recorder is not None:
+                recorder.collect()
+            position = {i: n for n, (i, _) in enumerate(local)}
+            for i, value in zip(scored_nll, values):
+                local[position[i]][1].meta["answer_nll"] = value
     gathered = gather_objects(local)
     gathered.sort(key=lambda pair: pair[0])
     return [scored for _, scored in gathered]

@@ -146,6 +146,7 @@ def build_needle_examples(tokenizer, options: NeedleOptions) -> list[EvalExample
                         answers=[number],
                         metric="retrieval_exact",
                         max_new_tokens=options.max_new_tokens,
+                        continuation=f" {number}",
                         meta={
                             "length": length,
                             "depth": depth,

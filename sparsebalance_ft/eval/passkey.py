@@ -60,6 +60,7 @@ def build_retrieval_examples(tokenizer, options: RetrievalOptions, task: str = "
                         answers=[record["answer"]],
                         metric="retrieval_exact",
                         max_new_tokens=options.max_new_tokens,
+                        continuation=record["text"][len(record["prompt"]) :].rstrip("."),
                         meta={
                             "length": length,
                             "depth": depth,

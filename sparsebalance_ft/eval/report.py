@@ -43,6 +43,8 @@ def retrieval_summary(records: Sequence[Scored]) -> dict[str, Any]:
     return {
         "accuracy": mean([r.score for r in records]),
         "position_accuracy": mean(partial),
+        "answer_nll": mean([r.meta["answer_nll"] for r in records if "answer_nll" in r.meta]),
+        "answer_nll_by_length": _nll_by(records, "length"),
         "n": len(records),
         "by_length": group_mean(records, "length"),
         "by_depth": group_mean(records, "depth"),
@@ -77,6 +79,14 @@ def heatmap(grid_data: dict[str, Any], path: str | Path, title: str) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _nll_by(records: Sequence[Scored], key: str) -> dict[str, float]:
+    groups: dict[Any, list[float]] = defaultdict(list)
+    for record in records:
+        if "answer_nll" in record.meta:
+            groups[record.meta.get(key)].append(record.meta["answer_nll"])
+    return {_label(k): sum(v) / len(v) for k, v in sorted(groups.items())}
 
 
 def _label(value: Any) -> str:

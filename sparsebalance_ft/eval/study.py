@@ -21,7 +21,7 @@ records, 50 prompts x 2 attentions per arm) therefore come to about 17-20 minute
 Wiring: `run_accuracy_study(base, arms, trainer, out)` with `trainer(recipe) -> summary` where
 summary is `train()`'s dict (its `adapter_dir`), or just the adapter path. `launch_trainer(n)`
 runs `sbft train` on n local ranks in fresh processes, one arm after the other; `main()` does
-everything for `python -m sparsebalance_ft.eval.study --out bench_results/accuracy`.
+everything for `python -m sparsebalance_ft.eval.study --out bench_results/accuracy --work runs/accuracy`.
 """
 from __future__ import annotations
 
@@ -197,9 +197,16 @@ def run_accuracy_study(
     out_dir: str | Path,
     *,
     plan: StudyPlan | None = None,
+    work_dir: str | Path | None = None,
+    reuse: bool = False,
     show_progress: bool = True,
 ) -> dict[str, Any]:
-    """Train every arm with `trainer`, evaluate passkey (dense and sparse inference), write JSON and Markdown."""
+    """Train every arm with `trainer`, evaluate passkey (dense and sparse inference), write JSON and Markdown.
+
+    Training runs (adapters, checkpoints, metrics) go under `work_dir/runs` (default `out_dir`);
+    the small results (study JSON and table, per-arm evaluation JSON and heatmaps) under `out_dir`.
+    `reuse` skips training an arm whose run already holds a final adapter (re-evaluation only).
+    """
     from .api import evaluate
     from .errors import EvalError
 
@@ -208,9 +215,13 @@ def run_accuracy_study(
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, overrides in arms:
-        recipe = arm_recipe(base, name, overrides, out / "runs")
+        recipe = arm_recipe(base, name, overrides, Path(work_dir or out) / "runs")
         started = time.perf_counter()
-        adapter, train_info = _adapter_of(trainer(recipe), recipe)
+        existing = Path(recipe.training.output_dir) / "adapter"
+        if reuse and (existing / "adapter_config.json").is_file():
+            adapter, train_info = existing, {"reused": True}
+        else:
+            adapter, train_info = _adapter_of(trainer(recipe), recipe)
         row: dict[str, Any] = {
             "arm": name,
             "overrides": list(overrides),
@@ -231,6 +242,7 @@ def run_accuracy_study(
                     samples=plan.eval_samples,
                     seed=plan.eval_seed,
                     max_length=context,
+                    answer_nll=True,
                     show_progress=show_progress,
                 )
             except (EvalError, ImportError) as error:  # e.g. sparse attention not built yet: record, go on
@@ -238,7 +250,10 @@ def run_accuracy_study(
                 continue
             row["eval"][attention] = {
                 key: result.get(key)
-                for key in ("accuracy", "position_accuracy", "by_length", "by_depth", "mean_recall", "mean_density", "elapsed_s")
+                for key in (
+                    "accuracy", "position_accuracy", "answer_nll", "answer_nll_by_length", "by_length", "by_depth",
+                    "mean_recall", "mean_density", "elapsed_s",
+                )
             }
         rows.append(row)
         _write(out, plan, rows)  # partial results survive an interrupted study
@@ -256,7 +271,10 @@ def study_table(result: Mapping[str, Any]) -> str:
     """Markdown: one row per arm and inference attention; passkey accuracy per length, recall, train time."""
     rows = result["arms"]
     lengths = [str(n) for n in result["plan"]["eval_lengths"]]
-    header = ["arm", "eval attention", *[f"passkey@{n}" for n in lengths], "overall", "digits", "eval recall", "train recall", "train budget", "step time (s)"]
+    header = [
+        "arm", "eval attention", *[f"passkey@{n}" for n in lengths], "overall", "digits", "answer NLL",
+        "eval recall", "train recall", "train budget", "step time (s)",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
     def f(value: Any, digits: int = 2) -> str:
@@ -266,7 +284,7 @@ def study_table(result: Mapping[str, Any]) -> str:
         train = row["train"]
         for attention, ev in row["eval"].items():
             if "error" in ev:
-                cells = [row["arm"], attention, *["-"] * len(lengths), "n/a", "-", "-"]
+                cells = [row["arm"], attention, *["-"] * len(lengths), "n/a", "-", "-", "-"]
             else:
                 cells = [
                     row["arm"],
@@ -274,6 +292,7 @@ def study_table(result: Mapping[str, Any]) -> str:
                     *[f(ev["by_length"].get(n)) for n in lengths],
                     f(ev["accuracy"]),
                     f(ev.get("position_accuracy")),
+                    f(ev.get("answer_nll")),
                     f(ev.get("mean_recall"), 3),
                 ]
             cells += [f(train.get("mean_recall"), 3), f(train.get("mean_budget")), f(train.get("mean_step_time"))]
@@ -282,22 +301,24 @@ def study_table(result: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m sparsebalance_ft.eval.study --out DIR [--quick] [--nproc N] [--steps S]`."""
+    """`python -m sparsebalance_ft.eval.study [--out DIR] [--work DIR] [--quick] [--nproc N] [--steps S]`."""
     import argparse
 
     parser = argparse.ArgumentParser(description="Accuracy study: dense vs fixed-budget sparse vs SparseBalance training.")
-    parser.add_argument("--out", default="bench_results/accuracy")
+    parser.add_argument("--out", default="bench_results/accuracy", help="results: JSON, Markdown table, heatmaps")
+    parser.add_argument("--work", default="runs/accuracy", help="tiny model, training data and training runs")
     parser.add_argument("--quick", action="store_true", help="smoke-sized plan (about a minute)")
     parser.add_argument("--nproc", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--reuse", action="store_true", help="keep arms already trained in --work; evaluate only")
     args = parser.parse_args(argv)
     plan = StudyPlan.quick() if args.quick else StudyPlan()
     if args.nproc is not None:
         plan.nproc = args.nproc
     if args.steps is not None:
         plan.max_steps = args.steps
-    base = prepare_study(args.out, plan)
-    result = run_accuracy_study(base, DEFAULT_ARMS, launch_trainer(plan.nproc), args.out, plan=plan)
+    base = prepare_study(args.work, plan)
+    result = run_accuracy_study(base, DEFAULT_ARMS, launch_trainer(plan.nproc), args.out, plan=plan, work_dir=args.work, reuse=args.reuse)
     print(study_table(result))
     return 0
 

@@ -20,7 +20,7 @@ from sparsebalance_ft.cost.profiler import (
 )
 from sparsebalance_ft.cost.validate import random_micro_batches, validate_model
 
-TINY = ProfileSettings(lengths=[128, 256], densities=[0.25, 1.0], token_points=3, warmup=1, repeats=1,
+TINY = ProfileSettings(lengths=[64, 128], densities=[0.25, 1.0], token_points=2, warmup=1, repeats=1,
                        threads=1, clock="cpu", calibration_batches=3)
 
 
@@ -38,12 +38,12 @@ def sparse_lora_model(tiny_model_dir):
 
 def test_profile_and_validate_a_sparse_model(sparse_lora_model, tmp_path):
     driver = ControllerDriver(_fake_sparse.CONTROLLER)
-    profile = profile_model(sparse_lora_model, driver, max_len=256, token_cap=512, settings=TINY, progress=False,
+    profile = profile_model(sparse_lora_model, driver, max_len=128, token_cap=256, settings=TINY, progress=False,
                             meta={"recipe_fingerprint": "abc"})
-    assert profile.lengths.tolist() == [128, 256] and profile.densities.tolist() == [0.25, 1.0]
+    assert profile.lengths.tolist() == [64, 128] and profile.densities.tolist() == [0.25, 1.0]
     assert profile.attention_scope == "document" and profile.num_layers == 4
     assert np.all(profile.attn > 0) and np.all(np.diff(profile.attn, axis=1) >= 0)
-    assert np.all(np.diff(profile.linear) >= 0) and profile.tokens[-1] == 512
+    assert np.all(np.diff(profile.linear) >= 0) and profile.tokens[-1] == 256
     assert profile.step_overhead > 0
     meta = profile.meta
     assert meta["recipe_fingerprint"] == "abc" and meta["hardware"]["torch_threads"] == 1
@@ -61,8 +61,8 @@ def test_profile_and_validate_a_sparse_model(sparse_lora_model, tmp_path):
     assert loaded.micro_batch_time(np.array([100, 200]), 0.5) == pytest.approx(
         profile.micro_batch_time(np.array([100, 200]), 0.5))
 
-    report = validate_model(sparse_lora_model, driver, loaded, max_len=256, token_cap=512, micro_batches=2,
-                            repeats=1, progress=False)
+    report = validate_model(sparse_lora_model, driver, loaded, max_len=128, token_cap=256, micro_batches=2,
+                            warmup=0, repeats=1, progress=False)
     assert report["micro_batch"]["n"] == 2 and report["held_out"]["n"] >= 1
     assert report["clock"] == "cpu"
     for case in report["cases"]:
@@ -104,19 +104,21 @@ def test_cli_profile_then_validate(tiny_model_dir, jsonl_corpus, tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
         "model": {"path": str(tiny_model_dir), "attn_implementation": "sdpa"},
-        "data": {"path": str(jsonl_corpus), "max_seq_len": 256},
+        "data": {"path": str(jsonl_corpus), "max_seq_len": 128},
         "training": {"output_dir": str(tmp_path / "run")},
     }))
     out = tmp_path / "profile.json"
     runner = CliRunner()
-    common = ["--repeats", "1", "--threads", "1", "--no-progress"]
-    result = runner.invoke(app, ["profile", str(recipe), "--out", str(out), "--lengths", "128,256", *common])
+    common = ["--repeats", "1", "--warmup", "0", "--threads", "1", "--no-progress"]
+    result = runner.invoke(app, ["profile", str(recipe), "--out", str(out), "--lengths", "64,128",
+                                 "--calibration-batches", "3", "--token-points", "2", *common])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["attention_scope"] == "micro_batch" and data["attention"]["densities"] == [1.0]
     assert data["meta"]["settings"]["clock"] == "cpu"
 
     result = runner.invoke(app, ["profile", "--validate", str(out), str(recipe), "--micro-batches", "2", *common])
+    assert "median_ape" in result.output
     assert result.exit_code == 0, result.output
     report = json.loads(out.with_suffix(".validation.json").read_text())
     assert report["micro_batch"]["n"] == 2

@@ -153,3 +153,21 @@ def test_sync_across_two_gloo_ranks_is_identical_and_complete(tmp_path):
             ref.observe(L, rng.uniform(0.05, 0.9, L.size), rng.choice([0.3, 0.5, 0.7]))
     ref.sync()
     assert ref.state_dict()["total"] == states[0]["total"]
+
+
+def test_observe_report_takes_dense_layers_out():
+    from types import SimpleNamespace
+
+    s = DensityStats(SparsityConfig(dense_layers=[0]), prior=stand_in_prior, num_layers=4)
+    # 3 sparse layers at 0.2 and one dense layer at 1.0 average to 0.4
+    report = SimpleNamespace(doc_densities=[(4096, 0.4), (4096, 0.4)], layer_budget=[1.0, 0.3, 0.3, 0.3],
+                             forced_density=None)
+    assert s.observe_report(report) == 2
+    s.sync()
+    cell = s.counts()
+    assert cell.sum() == pytest.approx(2)
+    raw = s.state_dict()["total"]
+    assert np.sum(raw[1]) / np.sum(raw[0]) == pytest.approx(0.2, abs=1e-6)  # mean observed sparse density
+    np.testing.assert_allclose(s.budgets[np.nonzero(cell.sum(axis=0))[0]], [0.3])
+    forced = SimpleNamespace(doc_densities=[(4096, 0.5)], layer_budget=[0.5] * 4, forced_density=0.5)
+    assert s.observe_report(forced) == 0

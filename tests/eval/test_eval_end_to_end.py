@@ -168,3 +168,30 @@ def test_nproc_relaunches_with_the_same_options(cli, eval_recipe_path, tmp_path,
     for expected in ("--lengths=128,256", "--depths=0,50", f"--haystack={tmp_path}", "--set=data.max_seq_len=300"):
         assert expected in argv
     assert argv[argv.index("--budget") + 1] == "0.4" and argv[argv.index("--out") + 1] == str(tmp_path / "o")
+
+
+def test_answer_nll_matches_a_manual_forward(tiny_model, tiny_tokenizer):
+    import torch
+
+    from sparsebalance_ft.eval.engine import answer_nll
+
+    prompts = [tiny_tokenizer("The pass key is 123. What is the pass key? The pass key is")["input_ids"],
+               tiny_tokenizer("Short prompt, the key is")["input_ids"]]
+    continuations = [" 123", " 98765"]
+    batched = answer_nll(tiny_model, tiny_tokenizer, prompts, continuations, batch_size=2, allow_padding=True)
+    single = answer_nll(tiny_model, tiny_tokenizer, prompts, continuations, batch_size=1)
+    assert batched == pytest.approx(single, abs=1e-4)
+    answer = tiny_tokenizer(" 123", add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([list(prompts[0]) + answer])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(tiny_model(input_ids=ids).logits.float(), -1)[0]
+    n, k = ids.shape[1], len(answer)
+    manual = -sum(logprobs[n - k - 1 + j, answer[j]].item() for j in range(k)) / k
+    assert single[0] == pytest.approx(manual, abs=1e-4)
+
+
+def test_evaluate_reports_answer_nll(eval_recipe):
+    result = evaluate(eval_recipe, "passkey", lengths=[128], depths=[0.0, 1.0], samples=1, answer_nll=True, show_progress=False)
+    assert result["answer_nll"] > 0 and set(result["answer_nll_by_length"]) == {"128"}
+    plain = evaluate(eval_recipe, "passkey", lengths=[128], depths=[0.0], samples=1, show_progress=False)
+    assert plain["answer_nll"] is None

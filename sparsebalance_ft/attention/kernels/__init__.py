@@ -42,7 +42,7 @@ def block_sparse_attention(
     scale: float | None = None,
     window: int | None = None,
     backend: str = "auto",
-    chunk_blocks: int = 96,
+    chunk_blocks: int = 256,
     plan: Plan | None = None,
 ) -> torch.Tensor:
     """Exact block-sparse causal attention.

@@ -73,7 +73,7 @@ def _group_chunks(counts: torch.Tensor, chunk_blocks: int) -> list[tuple[torch.T
 
 
 def make_plan(block_indices: torch.Tensor, block_counts: torch.Tensor | None, num_kv_blocks: int,
-              chunk_blocks: int = 96) -> Plan:
+              chunk_blocks: int = 256) -> Plan:
     b, hkv, nq, kk = block_indices.shape
     dev = block_indices.device
     lidx = block_indices.reshape(b * hkv * nq, kk).long()
