@@ -8,7 +8,7 @@ RUNS    ?= runs
 STDLIB  := $(shell python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 MODEL   := $(RUNS)/tiny-llama
 
-.PHONY: install demo test test-fast bench bench-attention bench-balance bench-accuracy simulate clean
+.PHONY: install demo test test-fast bench bench-attention bench-profile bench-balance bench-accuracy simulate clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,32 @@ $(MODEL)/config.json: | install
 demo: install $(MODEL)/config.json
 	$(SBFT) train recipes/demo.yaml --nproc 2 --set data.path=$(STDLIB) --set model.path=$(MODEL)
 	$(SBFT) report $(RUNS)/demo
+
+# --- benchmarks (each writes JSON under bench_results/; figures are quoted in the README) ---
+BENCH   := bench_results
+TINY    := --set model.path=$(MODEL) --set data.path=$(STDLIB)
+PROFILE := $(RUNS)/tiny-llama-profile.json
+
+bench: bench-attention simulate bench-balance bench-accuracy
+
+bench-attention: install
+	$(SBFT) bench attention --lengths 4096,8192,16384,32768 --densities 0.0625,0.1,0.25,1.0 --out $(BENCH)/attention.json
+
+simulate: install
+	$(SBFT) simulate --from-text-dir $(STDLIB) --glob '**/*.py' --min-bytes 64 --max-len 131072 \
+		--ranks 8,64,512 --ablate-bucketing --scale-check --markdown --out $(BENCH)/simulate
+
+$(PROFILE): | install $(MODEL)/config.json
+	$(SBFT) profile recipes/bench-balance.yaml $(TINY) --threads 1 --out $@
+
+bench-profile: $(PROFILE)
+	$(SBFT) profile --threads 1 --validate $(PROFILE) recipes/bench-balance.yaml $(TINY) --report $(BENCH)/profile-validation.json
+
+bench-balance: install $(MODEL)/config.json $(PROFILE)
+	$(SBFT) bench balance recipes/bench-balance.yaml $(TINY) --set balance.profile=$(PROFILE) --out $(BENCH)/balance
+
+bench-accuracy: install
+	$(PY) -m sparsebalance_ft.eval.study --out $(BENCH)/accuracy --work $(RUNS)/accuracy
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider

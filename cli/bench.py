@@ -1,8 +1,10 @@
-"""`sbft bench attention`: one attention layer, forward + backward, block-sparse vs dense SDPA."""
+"""`sbft bench attention` (one attention layer, sparse vs dense SDPA) and `sbft bench balance`
+(the same training run under baseline, SAB, DST, SAB+DST and dense attention, on real ranks)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import List, Optional
 
 import typer
 from rich.table import Table
@@ -83,6 +85,42 @@ def attention(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
         console.print(f"wrote {out}")
+
+
+@bench_app.command("balance")
+@user_errors
+def balance(
+    recipe_path: Path = typer.Argument(..., metavar="RECIPE", help="Recipe of the run every configuration repeats."),
+    out: Path = typer.Option(Path("bench_results/balance"), "--out", help="Folder for the runs and balance.json."),
+    rounds: int = typer.Option(1, min=1, help="Times each configuration runs, interleaved (medians reported)."),
+    nproc: int = typer.Option(2, min=1, help="Ranks per run."),
+    overrides: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key for every configuration."),
+) -> None:
+    """Baseline (fixed budget, random batching), SAB only, DST only, SAB+DST and dense, measured alternately."""
+    from sparsebalance_ft.bench.balance import CONFIGURATIONS, run_balance_bench
+    from sparsebalance_ft.recipe import load_recipe
+
+    load_recipe(recipe_path, overrides or [])  # fail here, in one line, rather than inside a rank
+
+    def progress(round_index, name, row):
+        console.print(
+            f"  round {round_index}: {name:8s} train {row['train_time']:.1f}s  bubble {row['bubble']:.1%}  "
+            f"loss {row['final_loss']:.3f}",
+            highlight=False,
+        )
+
+    console.print(f"{len(CONFIGURATIONS)} configurations x {rounds} round(s), {nproc} ranks each")
+    report = run_balance_bench(recipe_path, out, rounds, nproc, overrides or [], on_result=progress)
+    table = Table(title=f"balancing, {nproc} ranks, median of {rounds} round(s)")
+    for col in ("config", "train s", "speedup", "step s", "bubble", "imbalance", "budget", "density", "recall", "final loss"):
+        table.add_column(col, justify="right")
+    f = lambda x, p=3: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+    for name, r in report["results"].items():
+        table.add_row(name, f(r["train_time"], 1), f(r.get("speedup_vs_baseline"), 2), f(r["mean_step_time"]),
+                      f(r["bubble"]), f(r["imbalance"]), f(r["mean_budget"]), f(r["mean_density"]),
+                      f(r["mean_recall"]), f(r["final_loss"]))
+    console.print(table)
+    console.print(f"wrote {out / 'balance.json'}")
 
 
 def register(app: typer.Typer) -> None:

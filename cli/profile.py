@@ -67,7 +67,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"wrote {report or validate.with_suffix('.validation.json')} and {result['plot']}")
             return
 
-        from sparsebalance_ft.cost.profiler import ProfileSettings, profile_recipe
+        from sparsebalance_ft.cost.profiler import ProfileSettings, profile_recipe, profile_warnings
 
         if clock == "auto":
             import torch
@@ -86,8 +86,15 @@ def register(app: typer.Typer) -> None:
             raise ProfileArgumentError("--densities: every density must be in (0, 1]")
         out = out or Path(data.training.output_dir) / "profile.json"
         out.parent.mkdir(parents=True, exist_ok=True)
+        import torch
+
+        if not torch.cuda.is_available() and (threads or torch.get_num_threads()) > 1:
+            console.print("[yellow]note:[/] timing with several torch threads on a CPU that other processes share is"
+                          " very noisy; --threads 1 gives reproducible profiles")
         model = profile_recipe(data, settings, progress=progress)
         model.save(out)
+        for problem in profile_warnings(model):
+            console.print(f"[yellow]warning:[/] {problem}")
         console.print(
             f"wrote {out}: {len(model.lengths)} lengths x {len(model.densities)} densities"
             f"{' + dense path' if model.dense_attn is not None else ''},"

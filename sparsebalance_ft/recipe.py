@@ -7,6 +7,7 @@ and turns every validation failure into one line that names the key or path.
 from __future__ import annotations
 
 import hashlib
+import typing
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -213,3 +214,23 @@ def check_recipe_paths(recipe: Recipe) -> None:
 
 def dump_recipe(recipe: Recipe, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+
+
+def _type_name(annotation) -> str:
+    literals = [a for a in typing.get_args(annotation) if isinstance(a, str)]
+    if not literals:  # `Literal[...] | None` nests the literal one level down
+        literals = [a for sub in typing.get_args(annotation) for a in typing.get_args(sub) if isinstance(a, str)]
+    text = " | ".join(literals) if literals else str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    return text.replace("|", "\\|")
+
+
+def reference_markdown() -> str:
+    """The README's recipe reference, generated from the schema (a test keeps the README equal to it)."""
+    lines = []
+    for section, field in Recipe.model_fields.items():
+        lines += [f"### `{section}:`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for key, item in field.annotation.model_fields.items():
+            default = "required" if item.is_required() else (item.default_factory() if item.default_factory else item.default)
+            lines.append(f"| `{key}` | {_type_name(item.annotation)} | `{default}` | {item.description or ''} |")
+        lines.append("")
+    return "\n".join(lines)

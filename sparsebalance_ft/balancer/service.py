@@ -95,27 +95,8 @@ def predict_times(cost_model, density_stats, micro_batches: Sequence[Sequence[in
     return out
 
 
-def _field(report, *names):
-    """First present attribute or key of `report` among `names` (AttentionReport or a dict)."""
-    for name in names:
-        if isinstance(report, dict) and name in report:
-            return report[name]
-        if hasattr(report, name):
-            return getattr(report, name)
-    return None
-
-
-def report_documents(report) -> tuple[np.ndarray, np.ndarray]:
-    """(lengths, densities) of the documents an attention report covers (`AttentionReport.doc_densities`)."""
-    pairs = [(float(length), float(density)) for length, density in _field(report, "doc_densities") or []]
-    if not pairs:
-        return np.zeros(0, np.int64), np.zeros(0)
-    arr = np.asarray(pairs, dtype=np.float64)
-    return arr[:, 0].astype(np.int64), arr[:, 1]
-
-
 def report_layer_recall(report) -> np.ndarray | None:
-    values = _field(report, "layer_recall")
+    values = report.layer_recall
     if values is None:
         return None
     return np.asarray([np.nan if v is None else float(v) for v in np.ravel(values)], dtype=np.float64)
@@ -330,10 +311,8 @@ class BalancerService:
         budget = decision.rank_budget if decision is not None else self.default_budget
         if report is not None:
             try:
-                lengths, densities = report_documents(report)
-                keep = np.isfinite(densities) & (lengths > 0)
-                if keep.any() and self.stats is not None:
-                    self.stats.observe(lengths[keep], densities[keep], budget)
+                if self.stats is not None:
+                    self.stats.observe_report(report, budget)
             except Exception:
                 self._warn("step %d: could not update density statistics from the report", self.step, exc_info=True)
             try:

@@ -586,6 +586,9 @@ def profile_model(
         },
     })
     meta["calibration"] = fit
+    spreads = [float((np.percentile(c.samples, 75) - np.percentile(c.samples, 25)) / max(np.median(c.samples), 1e-12))
+               for c in cells if len(c.samples) >= 3]
+    meta["noise"] = {"median_relative_iqr": float(np.median(spreads)) if spreads else None}
     model.meta = meta
     model.extrapolate = "warn"
     return model
@@ -597,6 +600,20 @@ def _floor_quadratic(table: np.ndarray, lengths: list[int]) -> np.ndarray:
     out = table.copy()
     for i in range(len(lengths) - 2, -1, -1):
         out[i] = np.maximum(out[i], out[i + 1] * (lengths[i] / lengths[i + 1]) ** 2)
+    return out
+
+
+def profile_warnings(model: ProfiledCostModel) -> list[str]:
+    """Signs that a profile's measurements were disturbed (e.g. by other processes on a shared CPU)."""
+    out = []
+    noise = (model.meta.get("noise") or {}).get("median_relative_iqr")
+    if noise is not None and noise > 0.25:
+        out.append(f"repeated timings varied by {noise:.0%} (median inter-quartile range): the machine was busy")
+    fit = model.meta.get("calibration") or {}
+    if fit.get("median_ape_after") is not None and fit["median_ape_after"] > 0.2:
+        out.append(f"the profile misses its own calibration micro-batches by {fit['median_ape_after']:.0%} (median)")
+    if out and model.meta.get("settings", {}).get("clock") == "wall" and model.meta.get("hardware", {}).get("device") == "cpu":
+        out.append("on a shared CPU, profile with --threads 1 (the CPU clock then ignores time spent descheduled)")
     return out
 
 

@@ -200,15 +200,20 @@ class DensityStats:
         """Record achieved densities of documents run at `budget` (pending until `sync`).
 
         Without torch.distributed, call `sync()` anyway (it then just folds the pending ones in).
+        Documents whose length or density is not finite are skipped.
         """
         L = np.asarray(lengths, dtype=np.float64).reshape(-1)
-        d = np.clip(np.asarray(densities, dtype=np.float64).reshape(-1), 0.0, 1.0)
+        d = np.asarray(densities, dtype=np.float64).reshape(-1)
         if L.shape != d.shape:
             raise ValueError(f"{L.size} lengths but {d.size} densities")
+        finite = np.isfinite(L) & np.isfinite(d) & (L > 0)
+        L, d = L[finite], np.clip(d[finite], 0.0, 1.0)
         if L.size == 0:
             return
-        b = np.broadcast_to(np.clip(np.asarray(budget, dtype=np.float64), 0.0, 1.0), L.shape)
-        w = np.broadcast_to(np.asarray(weight, dtype=np.float64), L.shape)
+        b = np.clip(np.asarray(budget, dtype=np.float64), 0.0, 1.0)
+        b = b[finite] if b.ndim else np.broadcast_to(b, L.shape)
+        w = np.asarray(weight, dtype=np.float64)
+        w = w[finite] if w.ndim else np.broadcast_to(w, L.shape)
         x = np.log2(np.maximum(L, 1.0))
         i, t = self._coords(x, self.log_lengths)
         j, s = self._coords(b, self.budgets)

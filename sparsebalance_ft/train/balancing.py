@@ -85,7 +85,7 @@ def build_balancing(recipe: Recipe, model, lengths: np.ndarray, world_size: int)
             from ..balancer.service import BalancerService
 
             controller = SparseAttentionController.attach(model, recipe.sparsity)
-            stats = DensityStats(recipe.sparsity)
+            stats = DensityStats(recipe.sparsity, num_layers=model.config.num_hidden_layers)
             service = BalancerService.from_recipe(recipe, cost_model, stats, num_layers=model.config.num_hidden_layers)
             doc_cost = doc_cost_from_stats(cost_model, stats, lengths, recipe.sparsity.budget)
         else:

@@ -32,6 +32,13 @@ class FakeStats:
     def observe(self, lengths, densities, budget):
         self.observed.append((np.asarray(lengths).tolist(), np.asarray(densities).tolist(), float(budget)))
 
+    def observe_report(self, report, budget):
+        """Like DensityStats: the report's finite (length, density) pairs, at `budget`."""
+        pairs = [(float(n), float(d)) for n, d in report.doc_densities]
+        kept = [(n, d) for n, d in pairs if np.isfinite(n) and np.isfinite(d)]
+        if kept:
+            self.observe([int(n) for n, _ in kept], [d for _, d in kept], budget)
+
     def sync(self):
         self.syncs += 1
 
@@ -51,3 +58,13 @@ class BrokenCost(FakeCost):
 class NanCost(FakeCost):
     def micro_batch_time(self, lengths, densities) -> float:
         return float("nan")
+
+
+def report(doc_densities, layer_recall=None):
+    """An attention report as the controller gives it, with only what the balancer reads."""
+    from sparsebalance_ft.attention import AttentionReport
+
+    recall = list(layer_recall) if layer_recall is not None else []
+    return AttentionReport(
+        layer_density=[None] * len(recall), layer_recall=recall, doc_densities=doc_densities, layer_budget=[]
+    )

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
-from _balancer_fakes import BrokenCost, FakeCost, FakeStats, NanCost
+from _balancer_fakes import BrokenCost, FakeCost, FakeStats, NanCost, report
 from sparsebalance_ft.balancer.config import BalanceConfig
 from sparsebalance_ft.balancer.service import BalancerService, predict_times
 
@@ -77,13 +77,12 @@ def test_observe_feeds_stats_and_state_round_trips():
     stats = FakeStats()
     svc = make(stats=stats, per_layer=True, num_layers=2)
     d = svc.decide([[4096, 512]])
-    report = {"doc_densities": [(4096, 0.3), (512, float("nan"))], "layer_recall": [0.95, 0.8]}
-    svc.observe(report, compute_time=2 * d.predicted_time, wait_time=0.0)
+    svc.observe(report([(4096, 0.3), (512, float("nan"))], [0.95, 0.8]), compute_time=2 * d.predicted_time, wait_time=0.0)
     assert stats.observed == [([4096], [0.3], pytest.approx(d.rank_budget))] and stats.syncs == 1
     assert svc.sensitivity.tolist() == pytest.approx([0.05, 0.2])
     assert svc.prediction_ratio == pytest.approx(2.0)
     svc.decide([[1024]])
-    svc.observe({"doc_densities": [(1024, 0.5)], "layer_recall": [0.9, None]}, 0.1, 0.01)
+    svc.observe(report([(1024, 0.5)], [0.9, None]), 0.1, 0.01)
 
     state = json.loads(json.dumps(svc.state_dict()))  # plain data
     fresh_stats = FakeStats(power=2.0)
@@ -104,7 +103,7 @@ def test_bad_report_never_raises(caplog):
     svc = make(stats=stats)
     svc.decide([[100]])
     with caplog.at_level(logging.WARNING, logger="sparsebalance_ft.balancer"):
-        svc.observe({"doc_densities": [("x", "y")]}, 0.1, 0.0)
+        svc.observe(report([("x", "y")]), 0.1, 0.0)
     assert stats.syncs == 1 and stats.observed == []
 
 
@@ -134,7 +133,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         broken = make(cost=BrokenCost() if rank == 1 else FakeCost())
         results["broken"] = broken.decide(mine).to_dict()
         layered = make(per_layer=True, num_layers=3)
-        layered.observe({"doc_densities": [], "layer_recall": [0.9, 0.7, 0.99] if rank == 0 else [0.9, 0.8, 0.97]}, 0.1, 0)
+        layered.observe(report([], [0.9, 0.7, 0.99] if rank == 0 else [0.9, 0.8, 0.97]), 0.1, 0)
         results["layered"] = layered.decide(mine).to_dict()
         # real statistics: observe ends in DensityStats.sync (an all_reduce); rank 1's report is
         # broken, yet both ranks reach the collective and end with identical tables
@@ -143,8 +142,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         stats = DensityStats()
         real = make(stats=stats)
         real.decide(mine)
-        report = {"doc_densities": [(16384, 0.25)]} if rank == 0 else {"doc_densities": [("bad", None)]}
-        real.observe(report, 0.1, 0.0)
+        real.observe(report([(16384, 0.25)]) if rank == 0 else report([("bad", None)]), 0.1, 0.0)
         results["stats_table"] = stats.table().round(12).tolist()
         results["stats_count"] = float(stats.counts().sum())
         with open(f"{out_dir}/rank{rank}.json", "w") as handle:
@@ -190,7 +188,7 @@ def test_with_the_real_cost_model_and_density_stats():
     assert np.all(np.isfinite(times)) and np.all(np.diff(times) >= 0) and times[-1] > times[0]
     d = svc.decide([[8192, 512], [4096]], step=7)
     assert d.step == 7 and d.fallback_ranks == [] and len(d.budget) == 4
-    svc.observe({"doc_densities": [(8192, 0.2), (512, 0.6), (4096, 0.3)], "layer_recall": [0.9, 0.92, 0.95, 0.97]}, 0.2, 0.0)
+    svc.observe(report([(8192, 0.2), (512, 0.6), (4096, 0.3)], [0.9, 0.92, 0.95, 0.97]), 0.2, 0.0)
     assert stats.counts().sum() > 0  # observed and synced
     other = make(cost=cost, stats=DensityStats(SparsityConfig()), per_layer=True, num_layers=4)
     other.load_state_dict(svc.state_dict())

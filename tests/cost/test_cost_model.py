@@ -292,3 +292,17 @@ def test_calibration_recovers_micro_batch_and_document_overheads():
     assert fit["median_ape_after"] < 1e-9 < fit["median_ape_before"]
     # doc_times carries the per-document term, micro_batch_time the fixed one too
     assert p.doc_times([100], 0.5)[0] == pytest.approx(2e-6 * 100 + 4 * truth(100, 0.5) + 0.001)
+
+
+def test_disturbed_profiles_are_flagged():
+    from sparsebalance_ft.cost.profiler import profile_warnings
+
+    calm = power_law_profile()
+    calm.meta.update({"noise": {"median_relative_iqr": 0.05}, "calibration": {"median_ape_after": 0.04}})
+    assert profile_warnings(calm) == []
+    busy = power_law_profile()
+    busy.meta.update({"noise": {"median_relative_iqr": 0.8}, "calibration": {"median_ape_after": 0.5},
+                      "settings": {"clock": "wall"}})
+    busy.meta["hardware"]["device"] = "cpu"
+    problems = profile_warnings(busy)
+    assert len(problems) == 3 and "--threads 1" in problems[-1]

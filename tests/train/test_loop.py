@@ -13,10 +13,6 @@ from sparsebalance_ft.train.loop import train
 from sparsebalance_ft.train.metrics import read_metrics
 
 
-def losses(run_dir) -> list[float]:
-    return [row["loss"] for row in read_metrics(run_dir / "metrics.jsonl")]
-
-
 def test_training_lowers_the_loss_and_logs_every_step(write_recipe):
     recipe = load_recipe(
         write_recipe(
@@ -35,22 +31,38 @@ def test_training_lowers_the_loss_and_logs_every_step(write_recipe):
     assert (Path(recipe.training.output_dir) / "adapter" / "adapter_config.json").is_file()
 
 
-def test_resume_replays_the_uninterrupted_losses(write_recipe, tmp_path, monkeypatch):
-    straight = load_recipe(write_recipe(training={"checkpoint_every": 3, "output_dir": str(tmp_path / "a")}))
-    train(straight)
-    expected = losses(tmp_path / "a")
+SPARSE_BALANCED = {
+    "model": {"attn_implementation": "sparsebalance"},
+    "sparsity": {"k_max": 4, "k_min": 2, "block_size": 16, "recall_samples": 1},
+    "balance": {"batching": "sparsebalance", "tuning": "bidirectional"},
+}
 
-    interrupted = load_recipe(write_recipe(training={"checkpoint_every": 3, "output_dir": str(tmp_path / "b")}))
+
+@pytest.mark.parametrize("sections", [{}, SPARSE_BALANCED], ids=["dense-random", "sparse-balanced"])
+def test_resume_replays_the_uninterrupted_run(write_recipe, tmp_path, monkeypatch, sections):
+    def recipe(out: str):
+        training = {"checkpoint_every": 3, "output_dir": str(tmp_path / out)}
+        return load_recipe(write_recipe(**{**sections, "training": training}))
+
+    train(recipe("a"))
+    expected = read_metrics(tmp_path / "a" / "metrics.jsonl")
+
     monkeypatch.setenv("SBFT_FAIL_AT", "0:4")
     with pytest.raises(RuntimeError, match="injected failure on rank 0 at step 4"):
-        train(interrupted)
+        train(recipe("b"))
     assert latest_checkpoint(tmp_path / "b").name == "checkpoint-3"
     monkeypatch.delenv("SBFT_FAIL_AT")
-    train(interrupted, resume=True)
+    train(recipe("b"), resume=True)
+    resumed = read_metrics(tmp_path / "b" / "metrics.jsonl")
 
-    resumed = losses(tmp_path / "b")
-    assert len(resumed) == len(expected) == 6
-    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(expected), rtol=1e-6, atol=1e-7)
+    assert [row["step"] for row in resumed] == [row["step"] for row in expected] == list(range(1, 7))
+    torch.testing.assert_close(
+        torch.tensor([row["loss"] for row in resumed]), torch.tensor([row["loss"] for row in expected]), rtol=1e-6, atol=1e-7
+    )
+    for mine, theirs in zip(resumed, expected):  # same documents, same budgets, same densities
+        assert mine["tokens"] == theirs["tokens"]
+        assert [r["budget"] for r in mine["ranks"]] == [r["budget"] for r in theirs["ranks"]]
+        assert [r["density"] for r in mine["ranks"]] == pytest.approx([r["density"] for r in theirs["ranks"]])
 
 
 def test_checkpoints_are_pruned_and_half_written_ones_ignored(write_recipe, tmp_path):
