@@ -80,6 +80,7 @@ def load_for_eval(
     recipe: Recipe, checkpoint: str | Path | None = None, attention: Attention = "dense", budget: float | None = None
 ):
     """`(model, tokenizer, controller)` ready to generate; the controller is None for dense attention."""
+    from ..train.checkpoint import ADAPTER_WEIGHTS, restore_trainable
     from ..train.model import load_model
 
     kind, folder = resolve_checkpoint(checkpoint) if checkpoint is not None else (None, None)
@@ -89,7 +90,7 @@ def load_for_eval(
     else:
         model, tokenizer = load_model(recipe, trainable=False)
         if kind == "trainable":
-            _load_trainable(model, folder / "trainable_weights.pt")
+            restore_trainable(model, folder / ADAPTER_WEIGHTS)
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()  # plain weights: faster generation, same outputs
     model.to(_device()).eval()
@@ -102,17 +103,6 @@ def load_for_eval(
         controller = SparseAttentionController.attach(model, recipe.sparsity)
         controller.set_budget(recipe.sparsity.budget if budget is None else budget)
     return model, tokenizer, controller
-
-
-def _load_trainable(model: torch.nn.Module, path: Path) -> None:
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    params = dict(model.named_parameters())
-    missing = [name for name in saved if name not in params]
-    if missing:
-        raise EvalOptionError(f"{path}: holds weights the recipe's model lacks (e.g. {missing[0]}); check lora settings")
-    with torch.no_grad():
-        for name, value in saved.items():
-            params[name].copy_(value)
 
 
 def context_length(recipe: Recipe, model, max_length: int | None = None) -> int:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
+
 COMPLETE_MARKER = "COMPLETE"
 ADAPTER_WEIGHTS = "trainable_weights.pt"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -62,14 +64,25 @@ def save_checkpoint(accelerator, model: torch.nn.Module, output_dir: str | Path,
     return final
 
 
-def load_checkpoint(accelerator, model: torch.nn.Module, path: Path) -> None:
-    """Restore optimizer, scheduler, RNG and registered objects, then the trainable weights."""
-    accelerator.load_state(str(path))
-    saved = torch.load(path / ADAPTER_WEIGHTS, map_location="cpu", weights_only=True)
+class CheckpointMismatchError(UserError):
+    """Saved trainable weights that the recipe's model does not have (different LoRA settings?)."""
+
+
+def restore_trainable(model: torch.nn.Module, path: Path) -> None:
+    """Copy weights saved by `trainable_state` back into `model`, refusing names it lacks."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)
     params = dict(model.named_parameters())
     missing = [name for name in saved if name not in params]
     if missing:
-        raise RuntimeError(f"{path}: checkpoint holds weights this model lacks, e.g. {missing[0]}")
+        raise CheckpointMismatchError(
+            f"{path}: holds weights the recipe's model lacks (e.g. {missing[0]}); check the lora settings"
+        )
     with torch.no_grad():
         for name, value in saved.items():
             params[name].copy_(value)
+
+
+def load_checkpoint(accelerator, model: torch.nn.Module, path: Path) -> None:
+    """Restore optimizer, scheduler, RNG and registered objects, then the trainable weights."""
+    accelerator.load_state(str(path))
+    restore_trainable(model, path / ADAPTER_WEIGHTS)
