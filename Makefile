@@ -24,6 +24,7 @@ $(MODEL)/config.json: | install
 
 # A short real training run: the tiny model, two ranks on gloo, real text (the Python stdlib sources).
 demo: install $(MODEL)/config.json
+	rm -rf $(RUNS)/demo
 	$(SBFT) train recipes/demo.yaml --nproc 2 --set data.path=$(STDLIB) --set model.path=$(MODEL)
 	$(SBFT) report $(RUNS)/demo
 
@@ -35,7 +36,7 @@ PROFILE := $(RUNS)/tiny-llama-profile.json
 bench: bench-attention simulate bench-balance bench-accuracy
 
 bench-attention: install
-	$(SBFT) bench attention --lengths 4096,8192,16384,32768 --densities 0.0625,0.1,0.25,1.0 --out $(BENCH)/attention.json
+	$(SBFT) bench attention --lengths 4096,8192,16384,32768 --densities 0.0625,0.1,1.0 --out $(BENCH)/attention.json
 
 simulate: install
 	$(SBFT) simulate --from-text-dir $(STDLIB) --glob '**/*.py' --min-bytes 64 --max-len 131072 \
