@@ -49,10 +49,10 @@ bench-profile: $(PROFILE)
 	$(SBFT) profile --threads 1 --validate $(PROFILE) recipes/bench-balance.yaml $(TINY) --report $(BENCH)/profile-validation.json
 
 bench-balance: install $(MODEL)/config.json $(PROFILE)
-	$(SBFT) bench balance recipes/bench-balance.yaml $(TINY) --set balance.profile=$(PROFILE) --out $(BENCH)/balance
+	$(SBFT) bench balance recipes/bench-balance.yaml $(TINY) --set balance.profile=$(PROFILE) --rounds 2 --out $(BENCH)/balance
 
 bench-accuracy: install
-	$(PY) -m sparsebalance_ft.eval.study --out $(BENCH)/accuracy --work $(RUNS)/accuracy
+	$(SBFT) bench accuracy --out $(BENCH)/accuracy --work $(RUNS)/accuracy
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider

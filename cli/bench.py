@@ -1,5 +1,6 @@
 """`sbft bench attention` (one attention layer, sparse vs dense SDPA) and `sbft bench balance`
-(the same training run under baseline, SAB, DST, SAB+DST and dense attention, on real ranks)."""
+(the same training run under baseline, SAB, DST, SAB+DST and dense attention, on real ranks) and
+`sbft bench accuracy` (the accuracy study)."""
 from __future__ import annotations
 
 import json
@@ -121,6 +122,36 @@ def balance(
                       f(r["mean_recall"]), f(r["final_loss"]))
     console.print(table)
     console.print(f"wrote {out / 'balance.json'}")
+
+
+@bench_app.command("accuracy")
+@user_errors
+def accuracy(
+    out: Path = typer.Option(Path("bench_results/accuracy"), "--out", help="Results: JSON, Markdown table, heatmaps."),
+    work: Path = typer.Option(Path("runs/accuracy"), "--work", help="Tiny model, training data and training runs."),
+    quick: bool = typer.Option(False, "--quick", help="Smoke-sized plan (about a minute)."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Ranks per training run."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Training steps per arm."),
+    reuse: bool = typer.Option(False, "--reuse", help="Keep arms already trained in --work; evaluate only."),
+) -> None:
+    """Train the tiny model dense, fixed-budget sparse and SparseBalance from one init; passkey accuracy and recall."""
+    from sparsebalance_ft.eval.study import (
+        DEFAULT_ARMS,
+        StudyPlan,
+        launch_trainer,
+        prepare_study,
+        run_accuracy_study,
+        study_table,
+    )
+
+    plan = StudyPlan.quick() if quick else StudyPlan()
+    if nproc is not None:
+        plan.nproc = nproc
+    if steps is not None:
+        plan.max_steps = steps
+    base = prepare_study(work, plan)
+    result = run_accuracy_study(base, DEFAULT_ARMS, launch_trainer(plan.nproc), out, plan=plan, work_dir=work, reuse=reuse)
+    console.print(study_table(result), highlight=False)
 
 
 def register(app: typer.Typer) -> None:

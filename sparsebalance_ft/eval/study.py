@@ -302,30 +302,3 @@ def study_table(result: Mapping[str, Any]) -> str:
             cells += [f(train.get("mean_recall"), 3), f(train.get("mean_budget")), f(train.get("mean_step_time"))]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m sparsebalance_ft.eval.study [--out DIR] [--work DIR] [--quick] [--nproc N] [--steps S]`."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Accuracy study: dense vs fixed-budget sparse vs SparseBalance training.")
-    parser.add_argument("--out", default="bench_results/accuracy", help="results: JSON, Markdown table, heatmaps")
-    parser.add_argument("--work", default="runs/accuracy", help="tiny model, training data and training runs")
-    parser.add_argument("--quick", action="store_true", help="smoke-sized plan (about a minute)")
-    parser.add_argument("--nproc", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--reuse", action="store_true", help="keep arms already trained in --work; evaluate only")
-    args = parser.parse_args(argv)
-    plan = StudyPlan.quick() if args.quick else StudyPlan()
-    if args.nproc is not None:
-        plan.nproc = args.nproc
-    if args.steps is not None:
-        plan.max_steps = args.steps
-    base = prepare_study(args.work, plan)
-    result = run_accuracy_study(base, DEFAULT_ARMS, launch_trainer(plan.nproc), args.out, plan=plan, work_dir=args.work, reuse=args.reuse)
-    print(study_table(result))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

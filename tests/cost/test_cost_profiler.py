@@ -10,7 +10,7 @@ import torch
 import yaml
 
 import _fake_sparse
-from sparsebalance_ft.cost import ProfiledCostModel, ProfileMismatchWarning
+from sparsebalance_ft.cost import ProfiledCostModel
 from sparsebalance_ft.cost.profiler import (
     NOOP_ATTENTION,
     ControllerDriver,
