@@ -106,6 +106,10 @@ def train(recipe: Recipe, resume: bool = False, console=None) -> dict:
         corpus = load_corpus(recipe.data, tokenizer)
     if accelerator.is_main_process:
         console.print(f"data: {corpus.describe()}", highlight=False)
+    if not accelerator.is_main_process:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one "Loading weights" bar, not one per rank
     model, _ = load_model(recipe)
     model.to(accelerator.device)
     params = [p for p in model.parameters() if p.requires_grad]
