@@ -116,14 +116,19 @@ def make_passkey(
     overhead = measure(render(0)[0] + sized_suffix)
     n = _fit_units(lambda k: render(k)[0] + sized_suffix, length, measure, unit, overhead, "passkey")
     prompt, start, end = render(n)
+    return _record("passkey", prompt, answer_suffix, key, depth, n, length, start, end, measure, tokenizer)
+
+
+def _record(task: str, prompt: str, answer_suffix: str, answer: str, depth: float, n: int, length: int,
+            start: int, end: int, measure, tokenizer) -> dict[str, Any]:
+    """The record both generators return: the text, where the needle sits, and the lengths achieved."""
     text = prompt + answer_suffix
-    before = round(depth * n)
     return {
-        "task": "passkey",
+        "task": task,
         "text": text,
         "prompt": prompt,
-        "answer": key,
-        "depth": before / n,
+        "answer": answer,
+        "depth": round(depth * n) / n,
         "target_depth": depth,
         "length": measure(text),
         "prompt_length": measure(prompt),
@@ -186,23 +191,8 @@ def make_kv(
     overhead = measure(render(0)[0] + sized_suffix)
     n = _fit_units(lambda k: render(k)[0] + sized_suffix, length, measure, unit, overhead, "kv")
     prompt, start, end = render(n)
-    text = prompt + answer_suffix
-    return {
-        "task": "kv",
-        "text": text,
-        "prompt": prompt,
-        "answer": target_value,
-        "key": target_key,
-        "depth": round(depth * n) / n,
-        "target_depth": depth,
-        "length": measure(text),
-        "prompt_length": measure(prompt),
-        "target_length": length,
-        "length_unit": "tokens" if tokenizer is not None else "approx",
-        "needle_start": start,
-        "needle_end": end,
-        "filler_units": n,
-    }
+    record = _record("kv", prompt, answer_suffix, target_value, depth, n, length, start, end, measure, tokenizer)
+    return {**record, "key": target_key}
 
 
 GENERATORS: dict[str, Callable[..., dict[str, Any]]] = {"passkey": make_passkey, "kv": make_kv}
