@@ -27,3 +27,14 @@ def user_errors(fn: F) -> F:
             raise typer.Exit(code=2) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def run_on_ranks(nproc: int, argv: list[str]) -> None:
+    """Run `sbft *argv` on `nproc` local ranks; a failed rank becomes one red line and its exit code."""
+    from sparsebalance_ft.train.launch import RankFailed, launch_ranks
+
+    try:
+        launch_ranks(nproc, argv)
+    except RankFailed as failure:
+        err_console.print(f"[bold red]error:[/] {failure}", highlight=False)
+        raise typer.Exit(code=failure.exit_code) from None

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import console, err_console, user_errors
+from .common import console, run_on_ranks, user_errors
 from .synth import parse_depths, parse_numbers
 
 
@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
         """Passkey / key-value retrieval, needle in a haystack, or LongBench-format tasks; writes JSON (+ heatmap)."""
         from sparsebalance_ft.eval.errors import EvalOptionError
         from sparsebalance_ft.recipe import load_recipe
-        from sparsebalance_ft.train.launch import RankFailed, inside_launcher, launch_ranks
+        from sparsebalance_ft.train.launch import inside_launcher
 
         recipe = load_recipe(recipe_path, overrides or [], check_paths=False)
         from sparsebalance_ft.eval.api import TASKS
@@ -71,11 +71,7 @@ def register(app: typer.Typer) -> None:
                 argv.append("--chat-template")
             if nll:
                 argv.append("--nll")
-            try:
-                launch_ranks(nproc, argv)
-            except RankFailed as failure:
-                err_console.print(f"[bold red]error:[/] {failure}", highlight=False)
-                raise typer.Exit(code=failure.exit_code) from None
+            run_on_ranks(nproc, argv)
             return
 
         from sparsebalance_ft.eval.api import evaluate

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import console, err_console, user_errors
+from .common import console, err_console, run_on_ranks, user_errors
 
 
 def register(app: typer.Typer) -> None:
@@ -20,18 +20,14 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Fine-tune the recipe's model with LoRA. Works as is under torchrun and accelerate launch."""
         from sparsebalance_ft.recipe import load_recipe
-        from sparsebalance_ft.train.launch import RankFailed, inside_launcher, launch_ranks
+        from sparsebalance_ft.train.launch import inside_launcher
 
         recipe = load_recipe(recipe_path, overrides or [])
         if nproc > 1 and not inside_launcher():
             argv = ["train", str(recipe_path), *[f"--set={item}" for item in overrides or []]]
             if resume:
                 argv.append("--resume")
-            try:
-                launch_ranks(nproc, argv)
-            except RankFailed as failure:
-                err_console.print(f"[bold red]error:[/] {failure}", highlight=False)
-                raise typer.Exit(code=failure.exit_code) from None
+            run_on_ranks(nproc, argv)
             console.print(f"done: {nproc} ranks finished; outputs in [bold]{recipe.training.output_dir}[/]")
             return
 
