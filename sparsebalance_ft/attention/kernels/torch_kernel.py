@@ -237,6 +237,22 @@ def _row_slices(r: int, parts: int) -> list[slice]:
     return [slice(a, min(r, a + step)) for a in range(0, r, step)]
 
 
+def _diagonal_blocks(kb, vb, plan: Plan, sl: slice, g: int):
+    """Each row's own (diagonal) key and value block, shared by the row's `g` query heads."""
+    n, bs, d = sl.stop - sl.start, kb.shape[1], kb.shape[2]
+    kd = kb.index_select(0, plan.diag[sl]).view(n, 1, bs, d).expand(n, g, bs, d)
+    vd = vb.index_select(0, plan.diag[sl]).view(n, 1, bs, d).expand(n, g, bs, d)
+    return kd, vd
+
+
+def _kept_off_diagonal_blocks(kb, vb, plan: Plan, rows, c: int):
+    """The `c` kept off-diagonal key and value blocks of each of `rows`, gathered into one sequence,
+    with the block indices they came from (where backward scatters their gradients)."""
+    n, bs, d = rows.numel(), kb.shape[1], kb.shape[2]
+    gi = plan.off_gidx[rows, :c].reshape(-1)
+    return gi, kb.index_select(0, gi).view(n, 1, c * bs, d), vb.index_select(0, gi).view(n, 1, c * bs, d)
+
+
 def _split_forward(qr, kb, vb, plan: Plan, bs: int, scale: float):
     """Diagonal blocks (causal flash calls) merged by log-sum-exp with the off-diagonal kept blocks
     (unmasked flash calls per chunk of rows with equal off-diagonal counts)."""
@@ -246,9 +262,7 @@ def _split_forward(qr, kb, vb, plan: Plan, bs: int, scale: float):
     lse = torch.empty(qr.shape[:3], dtype=_lse_dtype(qr.dtype), device=qr.device)
 
     def diag_part(sl: slice):
-        n = sl.stop - sl.start
-        kd = kb.index_select(0, plan.diag[sl]).view(n, 1, bs, d).expand(n, g, bs, d)
-        vd = vb.index_select(0, plan.diag[sl]).view(n, 1, bs, d).expand(n, g, bs, d)
+        kd, vd = _diagonal_blocks(kb, vb, plan, sl, g)
         o, l_ = fwd(qr[sl], kd, vd, is_causal=True, scale=scale)
         out[sl] = o
         lse[sl] = l_
@@ -258,9 +272,7 @@ def _split_forward(qr, kb, vb, plan: Plan, bs: int, scale: float):
     def off_part(item):
         rows, c = item
         n = rows.numel()
-        gi = plan.off_gidx[rows, :c].reshape(-1)
-        kg = kb.index_select(0, gi).view(n, 1, c * bs, d)
-        vg = vb.index_select(0, gi).view(n, 1, c * bs, d)
+        gi, kg, vg = _kept_off_diagonal_blocks(kb, vb, plan, rows, c)
         o2, l2 = fwd(qr.index_select(0, rows).view(n, 1, g * bs, d), kg, vg, scale=scale)
         o1 = out.index_select(0, rows)
         l1 = lse.index_select(0, rows)
@@ -287,9 +299,7 @@ def _split_backward(go, qr, kb, vb, out, lse, plan: Plan, bs: int, scale: float)
     dv = torch.zeros(vb.shape, dtype=acc, device=vb.device)
 
     def diag_part(sl: slice):
-        n = sl.stop - sl.start
-        kd = kb.index_select(0, plan.diag[sl]).view(n, 1, bs, d).expand(n, g, bs, d)
-        vd = vb.index_select(0, plan.diag[sl]).view(n, 1, bs, d).expand(n, g, bs, d)
+        kd, vd = _diagonal_blocks(kb, vb, plan, sl, g)
         gq, gk, gv = bwd(go[sl], qr[sl], kd, vd, out[sl], lse[sl], 0.0, True, scale=scale)
         dq[sl] = gq
         # each row's diagonal block is its own: rows of different slices touch different blocks
@@ -304,9 +314,7 @@ def _split_backward(go, qr, kb, vb, out, lse, plan: Plan, bs: int, scale: float)
     def off_part(item):
         rows, c = item
         n = rows.numel()
-        gi = plan.off_gidx[rows, :c].reshape(-1)
-        kg = kb.index_select(0, gi).view(n, 1, c * bs, d)
-        vg = vb.index_select(0, gi).view(n, 1, c * bs, d)
+        gi, kg, vg = _kept_off_diagonal_blocks(kb, vb, plan, rows, c)
         gq, gk, gv = bwd(go.index_select(0, rows).view(n, 1, g * bs, d), qr.index_select(0, rows).view(n, 1, g * bs, d),
                          kg, vg, out.index_select(0, rows).view(n, 1, g * bs, d),
                          lse.index_select(0, rows).view(n, 1, g * bs), 0.0, False, scale=scale)
