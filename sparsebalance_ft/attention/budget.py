@@ -1,14 +1,16 @@
 """The budget API: what the balancer sets before a forward, and the report it reads after.
 
-A budget ``b`` in [0, 1] maps monotonically onto the pair (``tau``, ``k_max``):
+A budget ``b`` in [0, 1] maps monotonically onto the pair (threshold, ``k_max``), the threshold being the
+selection rule's: the mass share ``tau`` (``selection: mass``) or the log-share margin (``selection: anchor``):
 
-- ``b = config.budget`` (the default) gives exactly (``config.tau``, ``config.k_max``);
+- ``b = config.budget`` (the default) gives exactly (``config.tau`` or ``config.anchor_margin``, ``config.k_max``);
 - below it both shrink linearly towards (0, ``k_min``) at ``b = 0`` (anchors plus ``k_min`` floor only);
-- above it ``tau`` rises linearly to 1 and ``k_max`` grows as ``k_max / (1 - t)`` (t the position between the
-  default and 1), reaching "no cap" at ``b = 1``, where every causal block is kept: dense attention exactly.
+- above it ``tau`` rises linearly to 1, the margin grows as ``anchor_margin / (1 - t)`` and ``k_max`` as
+  ``k_max / (1 - t)`` (t the position between the default and 1), reaching 1 / infinity / "no cap" at ``b = 1``,
+  where every causal block is kept: dense attention exactly.
 
-More budget never keeps fewer blocks: a larger ``tau`` adds blocks in rank order and a larger cap only lifts
-a limit.
+More budget never keeps fewer blocks: both rules keep a prefix of one budget-independent ranking, a larger
+threshold lengthens the prefix and a larger cap only lifts a limit.
 """
 from __future__ import annotations
 
@@ -26,19 +28,23 @@ NO_CAP = 2**31 - 1  # k_max meaning "no cap"
 
 
 def budget_params(config: SparsityConfig, budget: float) -> tuple[float, int]:
-    """(tau, k_max) that `budget` maps to. k_max == NO_CAP means uncapped (budget 1.0)."""
+    """(threshold, k_max) that `budget` maps to. The threshold is `tau` for `selection: mass` and the margin
+    for `selection: anchor` (math.inf at budget 1.0); k_max == NO_CAP means uncapped (budget 1.0)."""
     b = float(budget)
     if not 0.0 <= b <= 1.0 or math.isnan(b):
         raise ValueError(f"budget must be in [0, 1], got {budget!r}")
-    b0, tau0, kmax0, kmin = config.budget, config.tau, config.k_max, config.k_min
+    anchor = config.selection == "anchor"
+    b0, kmax0, kmin = config.budget, config.k_max, config.k_min
+    thr0 = config.anchor_margin if anchor else config.tau
     if b >= 1.0:
-        return 1.0, NO_CAP
+        return (math.inf if anchor else 1.0), NO_CAP
     if b <= b0 and b0 > 0.0:
         t = b / b0
-        return tau0 * t, int(round(kmin + (kmax0 - kmin) * t))
+        return thr0 * t, int(round(kmin + (kmax0 - kmin) * t))
     t = (b - b0) / (1.0 - b0) if b0 < 1.0 else 0.0
-    tau = min(1.0, tau0 + (1.0 - tau0) * t)
-    return tau, int(min(NO_CAP, round(kmax0 / max(1e-9, 1.0 - t))))
+    left = max(1e-9, 1.0 - t)
+    thr = thr0 / left if anchor else min(1.0, thr0 + (1.0 - thr0) * t)
+    return thr, int(min(NO_CAP, round(kmax0 / left)))
 
 
 def _anchor_counts(nb: int, sink: int, local: int) -> np.ndarray:
@@ -51,8 +57,9 @@ def _anchor_counts(nb: int, sink: int, local: int) -> np.ndarray:
 
 def max_density(length: int, config: SparsityConfig, budget: float) -> float:
     """Density (kept / causal blocks) of a document of `length` tokens if every query block kept its cap
-    max(k_max, anchors) (never more than its causal blocks): an upper bound for the threshold selection."""
-    tau, k_max = budget_params(config, budget)
+    max(k_max, anchors) (never more than its causal blocks): an upper bound for either selection rule, which
+    share the floor and the cap."""
+    _, k_max = budget_params(config, budget)
     nb = max(1, math.ceil(int(length) / config.block_size))
     causal = np.arange(1, nb + 1)
     if k_max >= nb:
@@ -67,7 +74,8 @@ class AttentionReport:
     """What the attention did since the last `pop_report()`.
 
     layer_density[l]: kept / causal blocks over all forwards, heads and query blocks of layer l (None: not run;
-    dense layers report 1.0). layer_recall[l]: mean sampled recall (None when no samples were taken).
+    dense layers report 1.0). layer_recall[l]: sampled recall, the rows' (micro-batches') values weighted by their tokens (None when no
+    samples were taken).
     doc_densities: one (document_length, density) per document per forward, density = kept / causal blocks
     summed over layers (dense layers included) and key-value heads.
     """
@@ -127,7 +135,6 @@ class SparseAttentionController:
         self._budgets = [float(self.config.budget)] * self.num_layers
         self._forced: float | None = None
         self._lock = threading.Lock()
-        self._calls = 0
         self._acc = self._new_acc()
         dense = set()
         for i in self.config.dense_layers:
@@ -190,11 +197,6 @@ class SparseAttentionController:
         n = self.num_layers
         return _Accum(np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n))
 
-    def next_call_seed(self) -> int:
-        with self._lock:
-            self._calls += 1
-            return self._calls
-
     def record(self, layer: int, row: int, doc_lengths: list[int], doc_kept: np.ndarray, doc_causal: np.ndarray,
                recall: float | None, selection_seconds: float = 0.0) -> None:
         """Account one layer call for one batch row (kept/causal per document, summed over kv heads)."""
@@ -209,9 +211,10 @@ class SparseAttentionController:
             if 0 <= layer < self.num_layers:
                 acc.kept[layer] += float(doc_kept.sum())
                 acc.causal[layer] += float(doc_causal.sum())
-                if recall is not None:
-                    acc.recall_sum[layer] += recall
-                    acc.recall_n[layer] += 1
+                if recall is not None:  # weighted by the row's tokens: a 40-token micro-batch is not an 8K one
+                    tokens = max(1, sum(doc_lengths))
+                    acc.recall_sum[layer] += recall * tokens
+                    acc.recall_n[layer] += tokens
             acc.selection_seconds += selection_seconds
             f = acc.forwards
             for d, (n, kk, cc) in enumerate(zip(doc_lengths, doc_kept.tolist(), doc_causal.tolist())):

@@ -9,9 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class SparsityConfig(BaseModel):
     """Selection and kernel settings of the `sparsebalance` attention.
 
-    `budget` is the knob the balancer turns: a scalar in [0, 1] that maps monotonically onto
-    the mass threshold `tau` and the per-query-block cap `k_max` (see `attention/budget.py`).
-    1.0 keeps every causal block, so the attention then equals dense attention exactly.
+    `budget` is the knob the balancer turns: a scalar in [0, 1] that maps monotonically onto the
+    selection rule's threshold (the mass share `tau`, or the log-share margin `anchor_margin`) and
+    the per-query-block cap `k_max` (see `attention/budget.py`). 1.0 keeps every causal block, so
+    the attention then equals dense attention exactly.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -19,7 +20,18 @@ class SparsityConfig(BaseModel):
     block_size: int = Field(64, description="Query and key block size in tokens (64 or 128 are typical).")
     sink_blocks: int = Field(1, ge=0, description="Leading key blocks always kept (the attention sink).")
     local_blocks: int = Field(2, ge=1, description="Most recent key blocks always kept, the diagonal block included.")
-    tau: float = Field(0.9, gt=0.0, le=1.0, description="Share of estimated attention mass to keep at the default budget.")
+    selection: Literal["mass", "anchor"] = Field(
+        "mass",
+        description="Which blocks beyond the anchors are kept. mass: the highest-ranked ones until `tau` of the "
+        "estimated mass is held; anchor: every one whose estimated log-share is within `anchor_margin` of the best "
+        "non-diagonal anchor block's (the diagonal's when it is the only anchor).",
+    )
+    tau: float = Field(
+        0.9, gt=0.0, le=1.0, description="selection mass: share of estimated attention mass kept at the default budget."
+    )
+    anchor_margin: float = Field(
+        2.0, gt=0.0, description="selection anchor: log-share margin below the anchor reference at the default budget."
+    )
     k_min: int = Field(4, ge=1, description="Fewest key blocks any query block keeps (anchors included).")
     k_max: int = Field(64, ge=1, description="Most key blocks a query block keeps at the default budget.")
     budget: float = Field(0.5, ge=0.0, le=1.0, description="Default budget; 1.0 means dense.")
@@ -28,7 +40,9 @@ class SparsityConfig(BaseModel):
         description="Layer indices that always run dense attention (negative indices count from the last layer).",
     )
     backend: Literal["auto", "torch", "flex", "triton"] = Field(
-        "auto", description="auto: torch on CPU, flex (compiled FlexAttention) on CUDA when available."
+        "auto",
+        description="auto: torch on CPU, flex (compiled FlexAttention) on CUDA when available. triton: the Triton"
+        " kernel on CUDA (checked under triton's interpreter, not yet timed on a GPU).",
     )
     recall_samples: int = Field(4, ge=0, description="Query blocks per layer sampled each forward to measure recall.")
     chunk_blocks: int = Field(

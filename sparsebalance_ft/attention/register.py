@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import zlib
 from contextlib import contextmanager
 
 import numpy as np
@@ -170,6 +171,15 @@ def _dense_docs(qp, kp, vp, layout: Layout, scale: float) -> torch.Tensor:
     return torch.cat(outs, dim=2)
 
 
+def recall_seed(layer: int, doc_lengths: list[int]) -> int:
+    """Seed of the query blocks drawn to sample recall: a function of the layer and the row's documents only.
+
+    So runs that see the same documents (two configurations of a benchmark, a resumed run) draw the same
+    query blocks, and their recalls differ by what their selections keep rather than by what was drawn.
+    """
+    return zlib.crc32(f"{layer}:{','.join(map(str, doc_lengths))}".encode())
+
+
 def sparse_attention_row(
     controller: SparseAttentionController,
     layer: int,
@@ -187,9 +197,10 @@ def sparse_attention_row(
     bs = layout.block_size
     forced = controller.forced_density
     budget = controller.budget_for(layer)
-    tau, k_max = budget_params(cfg, budget)
     dense_layer = layer in controller.dense_layers
     full = dense_layer or (forced is not None and forced >= 1.0) or (forced is None and budget >= 1.0)
+    threshold, k_max = budget_params(cfg, 1.0 if full else budget)
+    rule = {"margin" if cfg.selection == "anchor" else "tau": threshold}
     qp, kp, vp = to_layout(q, layout), to_layout(k, layout), to_layout(v, layout)
     hkv = k.shape[1]
     ndocs = len(layout.doc_lengths)
@@ -204,9 +215,8 @@ def sparse_attention_row(
     t0 = time.perf_counter()
     with _single_thread():
         sel: Selection = select_blocks(
-            qp[0].detach(), kp[0].detach(), layout, tau=1.0 if full else tau, k_max=1 << 30 if full else k_max,
-            k_min=cfg.k_min, sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, scale=scale,
-            force_density=None if full else forced, window=window,
+            qp[0].detach(), kp[0].detach(), layout, **rule, k_max=k_max, k_min=cfg.k_min, sink_blocks=cfg.sink_blocks,
+            local_blocks=cfg.local_blocks, scale=scale, force_density=None if full else forced, window=window,
         )
         backend = resolve_backend(cfg.backend, q.device)
         plan = make_plan(sel.indices[None], sel.counts[None], layout.num_blocks, cfg.chunk_blocks) if backend == "torch" else None
@@ -216,7 +226,7 @@ def sparse_attention_row(
     if report:
         recall = None
         if cfg.recall_samples > 0:
-            gen = torch.Generator().manual_seed(controller.next_call_seed())
+            gen = torch.Generator().manual_seed(recall_seed(layer, layout.doc_lengths))
             recall = sampled_recall(qp[0].detach(), kp[0].detach(), layout, sel, cfg.recall_samples, scale, gen, window)
         kept, caus = block_density_by_doc(layout, sel)
         controller.record(layer, row, layout.doc_lengths, kept.numpy(), caus.numpy(), recall, t_sel)

@@ -13,8 +13,18 @@ stands for each of its keys), so a softmax over j gives an *estimated mass share
 across blocks and sums to one per query block. Shares are averaged over the query heads of a GQA group,
 which therefore share one selection. Anchors (the first ``sink_blocks`` blocks of the document and the
 ``local_blocks`` most recent blocks, the diagonal included) are always kept; the other blocks are ranked
-by estimated share and added until anchors plus added blocks hold ``tau`` of the estimated mass, then
-the count is floored at ``k_min`` and capped at ``max(k_max, anchors)`` (never above the causal count).
+by estimated share and added in rank order by one of two rules:
+
+- mass (``tau``): until anchors plus added blocks hold ``tau`` of the estimated mass;
+- anchor (``margin``): every block whose log-share is at least the anchors' reference minus ``margin``. The
+  reference is the largest log-share among the non-diagonal anchors (the sink and the previous local
+  blocks), or the diagonal's when it is the only anchor. The diagonal is left out because its pooled score
+  counts its whole key block although the causal triangle hides about half of it. The maximum (not a mean)
+  reads as "nearly as strong as the strongest anchor": a sink that takes most of the mass raises the bar,
+  a flat row keeps much more.
+
+Then the count is floored at ``k_min`` and capped at ``max(k_max, anchors)`` (never above the causal count).
+Both rules keep a prefix of the same ranking, so a looser threshold or a higher cap only adds blocks.
 """
 from __future__ import annotations
 
@@ -159,7 +169,8 @@ def select_blocks(
     k: torch.Tensor,
     layout: Layout,
     *,
-    tau: float,
+    tau: float | None = None,
+    margin: float | None = None,
     k_max: int,
     k_min: int,
     sink_blocks: int,
@@ -168,7 +179,11 @@ def select_blocks(
     force_density: float | None = None,
     window: int | None = None,
 ) -> Selection:
-    """Select key blocks for one row. q: [Hq, padded, D], k: [Hkv, padded, D] in the layout."""
+    """Select key blocks for one row. q: [Hq, padded, D], k: [Hkv, padded, D] in the layout.
+
+    Exactly one of `tau` (the mass rule) and `margin` (the anchor rule) is given."""
+    if (tau is None) == (margin is None):
+        raise ValueError("select_blocks: give exactly one of tau (mass rule) and margin (anchor rule)")
     hq, hkv = q.shape[0], k.shape[0]
     g = hq // hkv
     nb = layout.num_blocks
@@ -176,7 +191,8 @@ def select_blocks(
     allowed = allowed_blocks(layout, window)
     causal = allowed.sum(-1)
     ar = torch.arange(nb, device=dev)
-    full_budget = force_density is None and tau >= 1.0 and k_max >= nb
+    loosest = tau >= 1.0 if margin is None else margin == math.inf
+    full_budget = force_density is None and loosest and k_max >= nb
     if force_density is not None and force_density >= 1.0:
         full_budget = True
     if full_budget:
@@ -208,9 +224,12 @@ def select_blocks(
     else:
         cap = int(min(nb, max(k_max, int(n_anchor.max()))))
         order = prio.topk(cap, dim=-1, sorted=True).indices if cap < nb else prio.argsort(-1, descending=True)
-        ps = p.gather(-1, order)
-        excl = ps.cumsum(-1) - ps
-        n_thr = (excl < tau).sum(-1)
+        if margin is None:
+            ps = p.gather(-1, order)
+            excl = ps.cumsum(-1) - ps
+            n_thr = (excl < tau).sum(-1)
+        else:
+            n_thr = n_anchor[None] + _within_margin(p.log(), anchor, allowed, margin).sum(-1)
         n = torch.maximum(n_thr, n_anchor[None])
         n = n.clamp(min=k_min)
         n = torch.minimum(n, torch.clamp(n_anchor, min=k_max)[None])
@@ -221,6 +240,16 @@ def select_blocks(
     slot = torch.arange(K, device=dev)
     idx = torch.where(slot[None, None, :] < n[..., None], idx, ar[None, :, None].expand_as(idx))
     return Selection(idx, n.contiguous(), causal, full=False)
+
+
+def _within_margin(logp: torch.Tensor, anchor: torch.Tensor, allowed: torch.Tensor, margin: float) -> torch.Tensor:
+    """[Hkv, nb, nb] non-anchor allowed blocks whose log-share is within `margin` of the anchors' reference."""
+    nb = anchor.shape[0]
+    diag = torch.eye(nb, dtype=torch.bool, device=anchor.device)
+    side = anchor & ~diag
+    ref = logp.masked_fill(~side, _NEG_INF).amax(-1)
+    ref = torch.where(side.any(-1), ref, logp.diagonal(dim1=-2, dim2=-1))
+    return allowed & ~anchor & (logp >= ref[..., None] - margin)
 
 
 def forced_count(causal: torch.Tensor, density: float) -> torch.Tensor:

@@ -140,3 +140,21 @@ def test_lora_training_loss_falls(family, model_dirs):
     rep = ctl.pop_report()
     assert rep.forwards == 6 and rep.layer_budget == [0.3, 0.6]
     assert rep.layer_density[0] <= rep.layer_density[1] < 1.0
+
+
+def test_recall_samples_depend_on_the_documents_not_on_call_history(model_dirs):
+    """Two models that see the same documents report the same recall, whatever each ran before."""
+    register_sparse_attention()
+    config = SparsityConfig(block_size=16, k_min=1, k_max=2, budget=0.3, recall_samples=3)
+    first, second = (_load(model_dirs["llama"], "sparsebalance") for _ in range(2))
+    ctl_first, ctl_second = (SparseAttentionController.attach(m, config) for m in (first, second))
+    ids = torch.randint(0, 96, (1, 192), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(n) for n in (112, 80)])[None]
+    with torch.no_grad():
+        second(input_ids=ids[:, :64])  # a different history: other calls before the measured one
+        ctl_second.pop_report()
+        first(input_ids=ids, position_ids=pos)
+        second(input_ids=ids, position_ids=pos)
+    recall_first, recall_second = ctl_first.pop_report().layer_recall, ctl_second.pop_report().layer_recall
+    assert all(0 < r < 1 for r in recall_first)
+    assert recall_first == recall_second

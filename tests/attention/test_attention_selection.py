@@ -31,8 +31,9 @@ def _qk(hq=4, hkv=2, length=1024, d=32, seed=0):
 
 
 def _select(cfg: SparsityConfig, budget: float, q, k, layout, **kw):
-    tau, k_max = budget_params(cfg, budget)
-    return select_blocks(q, k, layout, tau=tau, k_max=k_max, k_min=cfg.k_min, sink_blocks=cfg.sink_blocks,
+    threshold, k_max = budget_params(cfg, budget)
+    rule = {"margin" if cfg.selection == "anchor" else "tau": threshold}
+    return select_blocks(q, k, layout, **rule, k_max=k_max, k_min=cfg.k_min, sink_blocks=cfg.sink_blocks,
                          local_blocks=cfg.local_blocks, scale=q.shape[-1] ** -0.5, **kw)
 
 
@@ -49,9 +50,23 @@ def test_budget_params_monotone_and_endpoints():
         budget_params(cfg, 1.5)
 
 
+def test_budget_params_anchor_margin():
+    """The anchor rule's margin grows with budget to infinity at 1.0; its caps are the mass rule's (so
+    `max_density` bounds both)."""
+    mass = SparsityConfig(tau=0.9, k_max=64, k_min=4, budget=0.5)
+    anchor = mass.model_copy(update={"selection": "anchor", "anchor_margin": 1.5})
+    grid = np.linspace(0, 1, 41)
+    margins, caps = zip(*(budget_params(anchor, b) for b in grid))
+    assert all(a <= b for a, b in zip(margins, margins[1:]))
+    assert list(caps) == [budget_params(mass, b)[1] for b in grid]
+    assert budget_params(anchor, 0.5) == (1.5, 64) and budget_params(anchor, 0.0)[0] == 0.0
+    assert budget_params(anchor, 1.0) == (math.inf, NO_CAP)
+
+
+@pytest.mark.parametrize("selection", ["mass", "anchor"])
 @pytest.mark.parametrize("bs", [64, 128])
-def test_more_budget_keeps_more_blocks(bs):
-    cfg = SparsityConfig(block_size=bs, k_min=2, k_max=6, budget=0.5)
+def test_more_budget_keeps_more_blocks(bs, selection):
+    cfg = SparsityConfig(block_size=bs, k_min=2, k_max=6, budget=0.5, selection=selection)
     q, k = _qk(length=16 * bs // 2 * 2)
     layout = make_layout([q.shape[1]], bs)
     prev = None
@@ -68,8 +83,10 @@ def test_more_budget_keeps_more_blocks(bs):
     assert bool((sel.counts == sel.causal[None]).all())  # budget 1.0 keeps everything
 
 
-def test_caps_anchors_and_documents():
-    cfg = SparsityConfig(block_size=64, sink_blocks=1, local_blocks=2, k_min=3, k_max=4, tau=0.99)
+@pytest.mark.parametrize("selection", ["mass", "anchor"])
+def test_caps_anchors_and_documents(selection):
+    cfg = SparsityConfig(block_size=64, sink_blocks=1, local_blocks=2, k_min=3, k_max=4, tau=0.99, anchor_margin=4.0,
+                         selection=selection)
     q, k = _qk(length=1600)
     layout = make_layout([700, 900], 64)  # the second document starts at a block boundary in the layout
     from sparsebalance_ft.attention.selection import to_layout
@@ -88,6 +105,52 @@ def test_caps_anchors_and_documents():
                 assert i - 1 in kept
             c = int(sel.causal[i])
             assert min(c, cfg.k_min) <= len(kept) <= max(cfg.k_max, 3)
+
+
+def _planted(scores: list[float], bs: int = 16):
+    """One query head whose every token is e0, and key blocks whose every key is score_j * e0: with scale 1
+    the pooled score of block j is score_j + log(bs), so log-shares differ exactly as the scores do."""
+    q = torch.zeros(1, len(scores) * bs, 4)
+    q[..., 0] = 1.0
+    k = torch.zeros_like(q)
+    k[..., 0] = torch.tensor(scores).repeat_interleave(bs)
+    return q, k, make_layout([q.shape[1]], bs)
+
+
+@pytest.mark.parametrize("sink, margin, want", [
+    (1, 1.0, [0, 2, 7]),  # reference: the sink (3.0); keeps scores >= 2.0
+    (1, 2.0, [0, 2, 4, 7]),  # >= 1.0
+    (0, 2.6, [0, 2, 7]),  # only the diagonal anchors: reference 5.0; keeps scores >= 2.4
+])
+def test_anchor_rule_keeps_the_planted_blocks(sink, margin, want):
+    q, k, layout = _planted([3.0, 0.0, 2.5, 0.0, 1.2, 0.0, 0.0, 5.0])
+    sel = select_blocks(q, k, layout, margin=margin, k_max=NO_CAP, k_min=1, sink_blocks=sink, local_blocks=1,
+                        scale=1.0)
+    assert sorted(sel.indices[0, 7, : sel.counts[0, 7]].tolist()) == want
+    capped = select_blocks(q, k, layout, margin=margin, k_max=len(want) - 1, k_min=1, sink_blocks=sink,
+                           local_blocks=1, scale=1.0)
+    kept = set(capped.indices[0, 7, : capped.counts[0, 7]].tolist())
+    assert len(kept) == len(want) - 1 and kept < set(want) and 7 in kept
+
+
+def test_select_blocks_needs_one_rule():
+    q, k, layout = _planted([1.0, 2.0])
+    for rule in ({}, {"tau": 0.5, "margin": 1.0}):
+        with pytest.raises(ValueError):
+            select_blocks(q, k, layout, **rule, k_max=2, k_min=1, sink_blocks=1, local_blocks=1, scale=1.0)
+
+
+def test_controller_runs_the_anchor_rule():
+    """Through the attention entry point the anchor config selects with its margin (density as selected)."""
+    q, k = _qk(length=1024)
+    v = torch.randn(1, 2, 1024, 32)
+    layout = make_layout([1024], 64)
+    cfg = SparsityConfig(selection="anchor", anchor_margin=1.0, k_min=2, k_max=8, recall_samples=0)
+    ctl = SparseAttentionController(cfg, 1)
+    sparse_attention_row(ctl, 0, q[None], k[None], v, layout, 32**-0.5)
+    sel = _select(cfg, cfg.budget, q, k, layout)
+    assert ctl.pop_report().layer_density[0] == pytest.approx(float(sel.counts.sum()) / float(sel.causal.sum() * 2))
+    assert float(sel.counts.sum()) < float(sel.causal.sum() * 2)
 
 
 def test_force_density_counts():
@@ -165,3 +228,11 @@ def test_max_density_bounds():
     assert max_density(1000, cfg, 1.0) == 1.0
     assert max_density(32768, cfg, 0.0) < max_density(32768, cfg, 0.5) < max_density(32768, cfg, 0.9) <= 1.0
     assert math.isclose(max_density(64, cfg, 0.2), 1.0)
+
+
+def test_recall_of_several_micro_batches_is_weighted_by_their_tokens():
+    ctl = SparseAttentionController(SparsityConfig(), 1)
+    one = np.ones(1)
+    ctl.record(0, 0, [8000], one, one, recall=0.3)  # a long micro-batch, then a short one in the same step
+    ctl.record(0, 0, [40, 60], np.ones(2), np.ones(2), recall=1.0)
+    assert ctl.pop_report().layer_recall[0] == pytest.approx((0.3 * 8000 + 1.0 * 100) / 8100)

@@ -2,9 +2,12 @@
 
 `block_sparse_attention(q, k, v, block_indices, block_counts=None, *, block_size, ...)` computes exact
 softmax attention of each query block over exactly its kept key blocks (token-level causal inside them).
+Backends: `torch` (kernels/torch_kernel.py, any device), `flex` (FlexAttention, compiled on CUDA) and
+`triton` (kernels/triton.py, CUDA, or CPU under ``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -12,19 +15,32 @@ import torch
 
 from .flex import FLEX_AVAILABLE, flex_block_sparse_attention
 from .torch_kernel import Plan, make_plan, torch_block_sparse_attention
-from .triton import TRITON_AVAILABLE
+from .triton import TRITON_AVAILABLE, interpreting, triton_block_sparse_attention
 
 log = logging.getLogger(__name__)
 
 __all__ = ["block_sparse_attention", "resolve_backend", "make_plan", "Plan", "FLEX_AVAILABLE", "TRITON_AVAILABLE"]
 
 
+@functools.cache
+def _warn_once(message: str) -> None:
+    """Backends resolve on every layer call; one warning per distinct fallback is enough."""
+    log.warning(message)
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """`auto`: torch on CPU, flex on CUDA. `triton` resolves to flex (see kernels/triton.py)."""
+    """`auto`: torch on CPU, flex on CUDA (the Triton kernel has not been timed against flex on a GPU,
+    so it is not the default). `triton`: the Triton kernel where triton is installed and the tensors are
+    on CUDA (or the interpreter is on); otherwise flex on CUDA, torch elsewhere, with a warning."""
+    fallback = "flex" if device.type == "cuda" and FLEX_AVAILABLE else "torch"
     if backend == "auto":
-        return "flex" if device.type == "cuda" and FLEX_AVAILABLE else "torch"
+        return fallback
     if backend == "triton":
-        return "flex" if device.type == "cuda" and FLEX_AVAILABLE else "torch"
+        if TRITON_AVAILABLE and (device.type == "cuda" or interpreting()):
+            return "triton"
+        why = "triton is not installed" if not TRITON_AVAILABLE else f"tensors on {device.type}, not CUDA"
+        _warn_once(f"triton backend unavailable ({why}); using the {fallback} kernel")
+        return fallback
     if backend == "flex" and not FLEX_AVAILABLE:
         log.warning("FlexAttention unavailable; using the torch kernel")
         return "torch"
@@ -56,6 +72,8 @@ def block_sparse_attention(
         raise ValueError(f"sequence length must be a multiple of block_size={block_size}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     be = resolve_backend(backend, q.device)
+    if be == "triton":
+        return triton_block_sparse_attention(q, k, v, block_indices, block_counts, block_size, scale, window)
     if be == "flex":
         return flex_block_sparse_attention(q, k, v, block_indices, block_counts, block_size, scale, window)
     if plan is None:

@@ -1,0 +1,183 @@
+"""The Triton block-sparse kernel == dense attention and the torch kernel, outputs and gradients.
+
+With a GPU the tests run the compiled kernels on CUDA. Without one they need triton's interpreter, and
+``TRITON_INTERPRET=1`` must be set before triton itself is imported: triton decorates its own language
+helpers (``tl.zeros`` and the like) with ``@triton.jit`` at import, and the variable is read at
+decoration. Inside a full pytest run triton has long been imported by then (sparsebalance_ft imports
+it), so on a CPU-only machine one test reruns this file in a fresh interpreter with the variable set;
+``TRITON_INTERPRET=1 pytest tests/attention/test_attention_triton.py`` runs the checks directly.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _reference import full_selection, grads, masked_reference, qkv
+from sparsebalance_ft.attention import kernels
+from sparsebalance_ft.attention.kernels import block_sparse_attention, resolve_backend
+from sparsebalance_ft.attention.kernels.triton import interpreting
+
+pytest.importorskip("triton")
+
+BS, D = 16, 16
+IN_PROCESS = torch.cuda.is_available() or interpreting()
+kernel_check = pytest.mark.skipif(not IN_PROCESS, reason="runs in test_kernels_in_fresh_interpreter's subprocess")
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the kernel checks run in this process")
+def test_kernels_in_fresh_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout.splitlines()[-1], run.stdout[-2000:]
+
+
+@pytest.fixture
+def device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _triton(device, idx, counts, window=None, bs=BS):
+    """fn(q, k, v) running the Triton backend on `device` (inputs and outputs stay on the CPU side)."""
+    def fn(q, k, v):
+        qd, kd, vd = (t.to(device) for t in (q, k, v))
+        i, c = idx.to(device), None if counts is None else counts.to(device)
+        return block_sparse_attention(qd, kd, vd, i, c, block_size=bs, window=window, backend="triton").cpu()
+    return fn
+
+
+def _torch_kernel(idx, counts, window=None):
+    return lambda q, k, v: block_sparse_attention(q, k, v, idx, counts, block_size=BS, window=window, backend="torch")
+
+
+def _random_selection(batch, hkv, nb, kmax, seed):
+    """Random distinct causal blocks in random order, counts 0..min(kmax, i + 1); padding slots hold
+    arbitrary (even non-causal) block numbers, which the kernel must never read."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, nb, (batch, hkv, nb, kmax), generator=g)
+    counts = torch.zeros(batch, hkv, nb, dtype=torch.long)
+    for n in range(batch):
+        for h in range(hkv):
+            for i in range(nb):
+                c = int(torch.randint(0, min(kmax, i + 1) + 1, (1,), generator=g))
+                idx[n, h, i, :c] = torch.randperm(i + 1, generator=g)[:c]
+                counts[n, h, i] = c
+    return idx, counts
+
+
+def _close(got, want, atol, rtol):
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b.to(a.dtype), atol=atol, rtol=rtol)
+
+
+@kernel_check
+def test_routes_to_triton(device):
+    assert resolve_backend("triton", device) == "triton"
+
+
+def test_falls_back_without_cuda_or_interpreter(monkeypatch, caplog):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kernels._warn_once.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        assert resolve_backend("triton", torch.device("cpu")) == "torch"
+    assert "using the torch kernel" in caplog.text
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+
+
+@kernel_check
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (4, 1)])
+def test_full_selection_equals_dense_causal(device, hq, hkv):
+    length, batch = 64, 2
+    q, k, v = qkv(hq, hkv, length, D, batch=batch)
+    go = torch.randn(batch, hq, length, D)
+    idx, counts = full_selection(length, BS, hkv, batch)
+    got = grads(_triton(device, idx, counts), q, k, v, go)
+    want = grads(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=hq != hkv),
+                 q, k, v, go)
+    _close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@kernel_check
+@pytest.mark.parametrize("window", [None, 24])
+def test_partial_selection_equals_torch_kernel(device, window):
+    """Counts below K (some rows keep nothing: zero output, zero gradient, no NaN) and, with the window,
+    blocks straddling its edge or lying wholly outside it."""
+    hq, hkv, length, batch = 4, 2, 128, 2
+    q, k, v = qkv(hq, hkv, length, D, dtype=torch.float64, seed=1, batch=batch)
+    go = torch.randn(batch, hq, length, D, dtype=torch.float64)
+    idx, counts = _random_selection(batch, hkv, length // BS, 3, seed=2)
+    assert (counts == 0).any() and (counts < 3).any()
+    want = grads(_torch_kernel(idx, counts, window), q, k, v, go)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    got = grads(_triton(device, idx, counts, window), q32, k32, v32, go.float())
+    assert all(torch.isfinite(t).all() for t in got)
+    empty = (counts == 0).repeat_interleave(hq // hkv, 1).repeat_interleave(BS, 2)
+    assert (got[0][empty] == 0).all()
+    _close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@kernel_check
+def test_window_full_selection_equals_masked_dense(device):
+    """Window 24 with blocks of 16: the diagonal, a block straddling the window's edge, blocks outside it."""
+    hq, hkv, length, window = 4, 2, 64, 24
+    q, k, v = qkv(hq, hkv, length, D, seed=3)
+    go = torch.randn(1, hq, length, D)
+    idx, counts = full_selection(length, BS, hkv)
+    got = grads(_triton(device, idx, counts, window), q, k, v, go)
+    want = grads(lambda a, b, c: masked_reference(a, b, c, idx, counts, BS, window), q, k, v, go)
+    _close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@kernel_check
+def test_counts_none_block_32_head_dim_32(device):
+    """block_counts=None: all K entries valid (here K = 1: each query block attends to itself only)."""
+    bs, hq, hkv, length, d = 32, 2, 1, 128, 32
+    q, k, v = qkv(hq, hkv, length, d, seed=4)
+    go = torch.randn(1, hq, length, d)
+    nb = length // bs
+    idx = torch.arange(nb).view(1, 1, nb, 1)
+    got = grads(_triton(device, idx, None, bs=bs), q, k, v, go)
+    want = grads(lambda a, b, c: masked_reference(a, b, c, idx, torch.ones(1, 1, nb, dtype=torch.long), bs),
+                 q, k, v, go)
+    _close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@kernel_check
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_close_to_float32(device, dtype):
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        pytest.skip("triton 3.8's interpreter multiplies bf16 bit patterns as integers in tl.dot")
+    hq, hkv, length = 4, 2, 64
+    q, k, v = qkv(hq, hkv, length, D, seed=5)
+    go = torch.randn(1, hq, length, D)
+    idx, counts = full_selection(length, BS, hkv)
+    want = grads(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True), q, k, v, go)
+    qh, kh, vh = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    got = grads(_triton(device, idx, counts), qh, kh, vh, go.to(dtype))
+    assert all(t.dtype == dtype for t in got)
+    _close([t.float() for t in got], want, atol=3e-2, rtol=3e-2)
+
+
+@kernel_check
+@pytest.mark.parametrize("bs,d", [(64, 64), (128, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_tiles(device, bs, d, dtype):
+    """The tile sizes training uses, where a GPU's registers and shared memory can run out."""
+    if device.type == "cpu":
+        pytest.skip("CUDA only: too slow for the interpreter")
+    hq, hkv, length = 4, 2, 4 * bs
+    q, k, v = qkv(hq, hkv, length, d, seed=6)
+    go = torch.randn(1, hq, length, d)
+    idx, counts = full_selection(length, bs, hkv)
+    want = grads(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True), q, k, v, go)
+    qd, kd, vd = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    got = grads(_triton(device, idx, counts, bs=bs), qd, kd, vd, go.to(dtype))
+    tol = 2e-4 if dtype == torch.float32 else 5e-2
+    _close([t.float() for t in got], want, atol=tol, rtol=tol)
