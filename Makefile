@@ -8,7 +8,7 @@ RUNS    ?= runs
 STDLIB  := $(shell python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 MODEL   := $(RUNS)/tiny-llama
 
-.PHONY: install demo test test-fast bench bench-attention bench-profile bench-balance bench-accuracy simulate clean
+.PHONY: install demo test test-fast bench bench-attention bench-selection bench-profile bench-balance bench-accuracy simulate gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,triton]"
 	touch $@
 
 $(MODEL)/config.json: | install
@@ -33,10 +33,13 @@ BENCH   := bench_results
 TINY    := --set model.path=$(MODEL) --set data.path=$(STDLIB)
 PROFILE := $(RUNS)/tiny-llama-profile.json
 
-bench: bench-attention simulate bench-balance bench-accuracy
+bench: bench-attention bench-selection simulate bench-balance bench-accuracy
 
 bench-attention: install
 	$(SBFT) bench attention --lengths 4096,8192,16384,32768 --densities 0.0625,0.1,1.0 --out $(BENCH)/attention.json
+
+bench-selection: install $(MODEL)/config.json
+	$(SBFT) bench selection --model $(MODEL) --out $(BENCH)/selection.json
 
 simulate: install
 	$(SBFT) simulate --from-text-dir $(STDLIB) --glob '**/*.py' --min-bytes 64 --max-len 131072 \
@@ -48,11 +51,23 @@ $(PROFILE): | install $(MODEL)/config.json
 bench-profile: $(PROFILE)
 	$(SBFT) profile --threads 1 --validate $(PROFILE) recipes/bench-balance.yaml $(TINY) --report $(BENCH)/profile-validation.json
 
+# One document per rank per step (the recipe's setting), then two per rank.
 bench-balance: install $(MODEL)/config.json $(PROFILE)
-	$(SBFT) bench balance recipes/bench-balance.yaml $(TINY) --set balance.profile=$(PROFILE) --rounds 2 --out $(BENCH)/balance
+	$(SBFT) bench balance recipes/bench-balance.yaml $(TINY) --set balance.profile=$(PROFILE) --rounds 3 --out $(BENCH)/balance
+	$(SBFT) bench balance recipes/bench-balance.yaml $(TINY) --set balance.profile=$(PROFILE) --rounds 1 \
+		--set training.docs_per_rank=2 --out $(BENCH)/balance-2docs
 
 bench-accuracy: install
 	$(SBFT) bench accuracy --out $(BENCH)/accuracy --work $(RUNS)/accuracy
+
+# On a machine with a CUDA GPU, in one go: the Triton kernel's tests compiled (not interpreted), then one
+# attention layer (bf16, fwd+bwd) timed per sparse backend, each also keeping every block (--kernel-at-full).
+gpu-check: install
+	$(PY) -m pytest -q -p no:cacheprovider tests/attention/test_attention_triton.py
+	for be in flex triton torch; do \
+		$(SBFT) bench attention --device cuda --backend $$be --dtype bfloat16 --lengths 8192,16384,32768 \
+			--densities 0.0625,0.1,1.0 --kernel-at-full --out $(BENCH)/gpu/attention-$$be.json || exit 1; \
+	done
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -1,6 +1,6 @@
-"""`sbft bench attention` (one attention layer, sparse vs dense SDPA) and `sbft bench balance`
-(the same training run under baseline, SAB, DST, SAB+DST and dense attention, on real ranks) and
-`sbft bench accuracy` (the accuracy study)."""
+"""`sbft bench attention` (one attention layer, sparse vs dense SDPA), `sbft bench selection` (the
+selection rules at matched density), `sbft bench balance` (the same training run under baseline, SAB,
+DST, SAB+DST and dense attention, on real ranks) and `sbft bench accuracy` (the accuracy study)."""
 from __future__ import annotations
 
 import json
@@ -88,6 +88,31 @@ def attention(
         console.print(f"wrote {out}")
 
 
+@bench_app.command("selection")
+@user_errors
+def selection(
+    model: Path = typer.Option(Path("runs/tiny-llama"), "--model", help="Tiny model folder (init-tiny writes one if missing)."),
+    length: int = typer.Option(4096, min=256, help="Tokens per sequence (one document)."),
+    sequences: int = typer.Option(2, min=1, help="Standard-library files run through the model."),
+    out: Path = typer.Option(Path("bench_results/selection.json"), "--out", help="Results as JSON."),
+) -> None:
+    """Sweep the budget under each selection rule and compare recall at matched density."""
+    from sparsebalance_ft.bench.selection import RULES, compare_selection_rules
+    from sparsebalance_ft.errors import UserError
+
+    if length % 64:
+        raise UserError(f"--length: must be a multiple of the block size 64, got {length}")
+    result = compare_selection_rules(model, length, sequences, out=out)
+    for name, source in result["sources"].items():
+        table = Table(title=f"{name}: recall at matched density ({source['note']})")
+        for col in ("density", *RULES):
+            table.add_column(col, justify="right")
+        for row in source["matched"]:
+            table.add_row(f"{row['density']:g}", *("-" if row[r] is None else f"{row[r]:.3f}" for r in RULES))
+        console.print(table)
+    console.print(f"wrote {out}")
+
+
 @bench_app.command("balance")
 @user_errors
 def balance(
@@ -96,12 +121,22 @@ def balance(
     rounds: int = typer.Option(1, min=1, help="Times each configuration runs, interleaved (medians reported)."),
     nproc: int = typer.Option(2, min=1, help="Ranks per run."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key for every configuration."),
+    configs: str = typer.Option(
+        "baseline,sab,dst,sab+dst,dense", "--configs", help="Configurations to run, comma-separated, in this order."
+    ),
 ) -> None:
     """Baseline (fixed budget, random batching), SAB only, DST only, SAB+DST and dense, measured alternately."""
-    from sparsebalance_ft.bench.balance import CONFIGURATIONS, run_balance_bench
+    from sparsebalance_ft.bench.balance import CONFIGURATIONS, check_same_documents, run_balance_bench
+    from sparsebalance_ft.errors import UserError
     from sparsebalance_ft.recipe import load_recipe
 
-    load_recipe(recipe_path, overrides or [])  # fail here, in one line, rather than inside a rank
+    # fail here, in one line, rather than inside a rank
+    recipe = load_recipe(recipe_path, overrides or [])
+    check_same_documents(recipe.training.max_steps)
+    names = [name.strip() for name in configs.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CONFIGURATIONS]
+    if unknown or not names:
+        raise UserError(f"--configs: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(CONFIGURATIONS)}")
 
     def progress(round_index, name, row):
         console.print(
@@ -110,8 +145,8 @@ def balance(
             highlight=False,
         )
 
-    console.print(f"{len(CONFIGURATIONS)} configurations x {rounds} round(s), {nproc} ranks each")
-    report = run_balance_bench(recipe_path, out, rounds, nproc, overrides or [], on_result=progress)
+    console.print(f"{len(names)} configurations x {rounds} round(s), {nproc} ranks each")
+    report = run_balance_bench(recipe_path, out, rounds, nproc, overrides or [], names, on_result=progress)
     table = Table(title=f"balancing, {nproc} ranks, median of {rounds} round(s)")
     for col in ("config", "train s", "speedup", "step s", "bubble", "imbalance", "budget", "density", "recall", "final loss"):
         table.add_column(col, justify="right")
@@ -121,6 +156,8 @@ def balance(
                       f(r["bubble"]), f(r["imbalance"]), f(r["mean_budget"]), f(r["mean_density"]),
                       f(r["mean_recall"]), f(r["final_loss"]))
     console.print(table)
+    if not report["same_documents"]:
+        console.print("[red]configurations trained different token totals: their times are not comparable[/red]")
     console.print(f"wrote {out / 'balance.json'}")
 
 

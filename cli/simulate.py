@@ -67,6 +67,8 @@ def register(app: typer.Typer) -> None:
         min_budget: float = typer.Option(0.1, "--min-budget"),
         max_budget: float = typer.Option(0.9, "--max-budget"),
         target: str = typer.Option("mean", "--target", help="Tuner target rule: mean or fastest."),
+        tolerance: float = typer.Option(0.05, "--tolerance", min=0.0, max=0.99,
+                                        help="Ranks within this share above T* are not cut (balance.tolerance)."),
         grid_points: int = typer.Option(17, "--grid-points"),
         bucket_steps: int = typer.Option(32, "--bucket-steps", help="Windows regrouped by sparsebalance's bucketing."),
         ablate_bucketing: bool = typer.Option(False, "--ablate-bucketing", help="Also run sparsebalance without bucketing."),
@@ -133,7 +135,7 @@ def register(app: typer.Typer) -> None:
         base = SimConfig(world_size=world_sizes[0], docs_per_rank=docs_per_rank, token_cap=cap, seed=seed,
                          policies=policy_names, tuning=modes, knowledge=knowledge,  # type: ignore[arg-type]
                          default_budget=default_budget, min_budget=min_budget, max_budget=max_budget,
-                         grid_points=grid_points, target=target, steps=steps, bucket_steps=bucket_steps,
+                         grid_points=grid_points, target=target, tolerance=tolerance, steps=steps, bucket_steps=bucket_steps,
                          record_steps=plot_steps, ablate_bucketing=ablate_bucketing)
         from dataclasses import replace
 

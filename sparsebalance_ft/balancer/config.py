@@ -43,6 +43,13 @@ class BalanceConfig(BaseModel):
         lt=0.5,
         description="Bidirectional: ranks that wait are raised only to (1 - headroom) x T*, a margin for prediction error.",
     )
+    tolerance: float = Field(
+        0.05,
+        ge=0.0,
+        lt=1.0,
+        description="A rank predicted slower than T* by less than this share is not cut: such a gap is within the"
+        " cost model's error, and the cut would cost recall for nothing.",
+    )
     grid_points: int = Field(
         17, ge=2, le=257, description="Budgets between min_budget and max_budget at which each rank's time is predicted."
     )

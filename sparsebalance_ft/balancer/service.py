@@ -232,6 +232,7 @@ class BalancerService:
                 mode,
                 self.config.target,
                 self.config.headroom,
+                self.config.tolerance,
             )
         except Exception as error:
             log.error("balancer step %d: tuner failed; every rank keeps the default budget", step, exc_info=True)

@@ -23,6 +23,10 @@ predicted time is max_r t_r(b_r). Two rules, `BalanceConfig.target`:
 
 Both are at most max_r t_r(default), so no mode ever predicts a slower step than no tuning.
 
+Tolerance: a rank predicted slower than T* by less than ``tolerance`` x T* is not treated as a
+straggler. Such a gap is within the cost model's own error (5-10% median on the profiled CPU), so
+cutting it would trade recall for a gain the prediction cannot promise.
+
 Modes: ``none`` keeps the default everywhere; ``straggler-only`` lowers ranks predicted above T*
 to the largest budget that meets T* (MIN when none does) and leaves all others at the default;
 ``bidirectional`` gives every rank the largest budget in [MIN, MAX] whose prediction is at most T*
@@ -82,6 +86,7 @@ def tune(
     mode: str = "bidirectional",
     target: str = "mean",
     headroom: float = 0.0,
+    tolerance: float = 0.0,
 ) -> TuneResult:
     """Choose every rank's budget; see the module docstring for the rules.
 
@@ -90,6 +95,7 @@ def tune(
     MIN <= default <= MAX is required unless mode is ``none``.
     headroom: ranks at or under T* are raised only up to T* * (1 - headroom) (never below the
     default), leaving that share as a margin for prediction error; stragglers still aim at T*.
+    tolerance: only ranks predicted above T* * (1 + tolerance) at the default are stragglers.
     """
     if mode not in MODES:
         raise ValueError(f"unknown tuning mode {mode!r}; expected one of {MODES}")
@@ -97,6 +103,8 @@ def tune(
         raise ValueError(f"unknown target rule {target!r}; expected one of {TARGETS}")
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    if not tolerance >= 0.0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
     times = np.asarray(times, dtype=np.float64)
     grid = np.asarray(grid, dtype=np.float64)
     if times.ndim != 2 or grid.ndim != 1 or times.shape[1] != grid.size or grid.size == 0:
@@ -132,7 +140,7 @@ def tune(
     # Largest budget in [MIN, MAX] whose predicted time is at most the rank's threshold (T* for
     # stragglers, T*(1 - headroom) for the others): rows are monotone, so the grid points that
     # meet it are a prefix of length k; interpolate inside the first segment that crosses it.
-    straggler = valid & (default_times > target_time)
+    straggler = valid & (default_times > target_time * (1.0 + tolerance))
     threshold = np.where(straggler, target_time, target_time * (1.0 - headroom))
     k = np.count_nonzero(tb <= threshold[:, None], axis=1)
     n = g.size

@@ -3,6 +3,7 @@ from .errors import BatchingError, DocumentTooLongError
 from .kk import karmarkar_karp, lpt
 from .policies import DEFAULT_FLOPS_A, POLICIES, assign_ranks, flops_proxy, plan_window, refine
 from .sampler import (
+    BUCKET_STEPS,
     BatchSampler,
     DocCost,
     StepPlan,
@@ -12,6 +13,7 @@ from .sampler import (
 )
 
 __all__ = [
+    "BUCKET_STEPS",
     "BatchSampler",
     "BatchingError",
     "DEFAULT_FLOPS_A",

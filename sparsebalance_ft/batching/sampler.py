@@ -36,6 +36,7 @@ DocCost = Callable[[np.ndarray], np.ndarray]
 """Predicted seconds (forward + backward) of each document, given global document indices."""
 
 STATE_VERSION = 1
+BUCKET_STEPS = 32  # windows that `sparsebalance` regroups together by length and cost
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class BatchSampler:
         doc_cost: DocCost | None = None,
         *,
         flops_a: float = DEFAULT_FLOPS_A,
-        bucket_steps: int = 32,
+        bucket_steps: int = BUCKET_STEPS,
     ) -> None:
         if policy not in POLICIES:
             raise BatchingError(f"balance.batching: unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")

@@ -5,16 +5,28 @@ steps and seed, as real ranks (one process each, gloo on a CPU). Configurations 
 another in rounds (baseline, SAB, DST, SAB+DST, dense, baseline, ...), so slow drift of a
 shared machine hits all of them alike. Times come from each run's own metrics.jsonl: the sum of
 step times (start-up and model loading excluded), the step time as the slowest rank saw it.
+
+Same documents: `sparsebalance` batching regroups `BUCKET_STEPS` steps' documents at a time, so a
+run cut inside such a block would train a different subset of documents than the baseline. The
+bench therefore requires `max_steps` to be a multiple of it, and checks after the runs that every
+configuration trained the same number of tokens.
+
+Bubble (1 - mean/max) and imbalance (max/mean) are of per-rank compute time summed over the run.
+Budget, density and recall are token-weighted means over (step, rank) entries: a rank's entry stands for
+its tokens, so a 40-token document (density and recall 1.0) does not weigh as much as an 8K one.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from ..batching import BUCKET_STEPS
+from ..errors import UserError
 from ..train.metrics import read_metrics
 
 CONFIGURATIONS: dict[str, list[str]] = {
@@ -26,9 +38,25 @@ CONFIGURATIONS: dict[str, list[str]] = {
 }
 
 
-def _mean(values) -> float | None:
-    finite = [v for v in values if v is not None]
-    return sum(finite) / len(finite) if finite else None
+class BenchSetupError(UserError):
+    """The recipe would make configurations train different documents (one line, exit 2)."""
+
+
+def check_same_documents(max_steps: int) -> None:
+    """Raise unless every configuration's run covers whole `sparsebalance` regrouping blocks."""
+    if max_steps % BUCKET_STEPS:
+        raise BenchSetupError(
+            f"training.max_steps ({max_steps}) must be a multiple of {BUCKET_STEPS}: sparsebalance batching"
+            f" regroups {BUCKET_STEPS} steps' documents at a time, and a run cut inside such a block would"
+            " train other documents than the baseline"
+        )
+
+
+def _weighted_mean(pairs) -> float | None:
+    """Mean of the values weighted by their weights; (None or NaN value) pairs are skipped."""
+    finite = [(v, w) for v, w in pairs if v is not None and not math.isnan(v)]
+    total = sum(w for _, w in finite)
+    return sum(v * w for v, w in finite) / total if total > 0 else None
 
 
 def _median_of_rounds(results: list[dict]) -> dict:
@@ -44,17 +72,21 @@ def summarise_run(run_dir: Path) -> dict:
     rows = read_metrics(run_dir / "metrics.jsonl")
     ranks = [r for row in rows for r in row["ranks"]]
     tail = rows[-5:]
+    max_compute = sum(max(r["compute_time"] for r in row["ranks"]) for row in rows)
+    mean_compute = sum(statistics.mean(r["compute_time"] for r in row["ranks"]) for row in rows)
     return {
         "steps": len(rows),
         "train_time": sum(row["step_time"] for row in rows),
         "mean_step_time": statistics.mean(row["step_time"] for row in rows),
-        "bubble": _mean(row["bubble"] for row in rows),
-        "imbalance": _mean(row["imbalance"] for row in rows),
-        "mean_budget": _mean(r["budget"] for r in ranks),
-        "mean_density": _mean(r["density"] for r in ranks),
-        "mean_recall": _mean(r["recall"] for r in ranks),
+        # over the whole run, as the simulator reports them: a short step's bubble weighs little
+        "bubble": 1.0 - mean_compute / max_compute,
+        "imbalance": max_compute / mean_compute,
+        "mean_budget": _weighted_mean((r["budget"], r["tokens"]) for r in ranks),
+        "mean_density": _weighted_mean((r["density"], r["tokens"]) for r in ranks),
+        "mean_recall": _weighted_mean((r["recall"], r["tokens"]) for r in ranks),
+        "tokens": sum(row["tokens"] for row in rows),
         "final_loss": rows[-1]["loss"],
-        "loss_last5": _mean(row["loss"] for row in tail),
+        "loss_last5": statistics.mean(row["loss"] for row in tail),
     }
 
 
@@ -89,6 +121,8 @@ def run_balance_bench(
         base = summary["baseline"]["train_time"]
         for row in summary.values():
             row["speedup_vs_baseline"] = base / row["train_time"]
-    report = {"recipe": str(recipe), "nproc": nproc, "rounds": rounds, "overrides": overrides or [], "results": summary}
+    token_totals = {row["tokens"] for row in summary.values()}
+    report = {"recipe": str(recipe), "nproc": nproc, "rounds": rounds, "overrides": overrides or [],
+              "same_documents": len(token_totals) == 1, "results": summary}
     (out_dir / "balance.json").write_text(json.dumps(report, indent=2))
     return report

@@ -25,7 +25,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..batching import POLICIES, BatchSampler, StepPlan
+from ..balancer.config import BalanceConfig
+from ..batching import BUCKET_STEPS, POLICIES, BatchSampler, StepPlan
 from ..cost.model import CostModel
 from .density import DensityModel, Knowledge
 
@@ -35,14 +36,16 @@ TuningHook = Callable[[np.ndarray, np.ndarray], np.ndarray]
 TUNING_MODES = ("none", "straggler-only", "bidirectional")
 
 
-def tuner_hook(mode: str, default_budget: float, min_budget: float, max_budget: float, target: str = "mean") -> TuningHook | None:
+def tuner_hook(mode: str, default_budget: float, min_budget: float, max_budget: float, target: str = "mean",
+               tolerance: float = 0.0) -> TuningHook | None:
     """The balancer's own tuner (`balancer.tuner.tune`) as a hook; None for mode `none`."""
     if mode == "none":
         return None
     from ..balancer.tuner import tune
 
     def hook(times: np.ndarray, grid: np.ndarray) -> np.ndarray:
-        return tune(times, grid, default_budget, min_budget, max_budget, mode=mode, target=target).budgets
+        return tune(times, grid, default_budget, min_budget, max_budget, mode=mode, target=target,
+                    tolerance=tolerance).budgets
 
     return hook
 
@@ -81,8 +84,9 @@ class SimConfig:
     max_budget: float = 0.9
     grid_points: int = 17
     target: str = "mean"
+    tolerance: float = BalanceConfig.model_fields["tolerance"].default
     steps: int | None = None  # None: one full epoch
-    bucket_steps: int = 32
+    bucket_steps: int = BUCKET_STEPS
     record_steps: int = 4
     flops_a: float | None = None
     ablate_bucketing: bool = False  # also run `sparsebalance` without cross-step bucketing
@@ -163,7 +167,7 @@ def simulate(
     b0 = float(config.default_budget)
     grid = budget_grid(config.min_budget, config.max_budget, b0, config.grid_points)
     if hooks is None:
-        hooks = {m: tuner_hook(m, b0, config.min_budget, config.max_budget, config.target) for m in config.tuning}
+        hooks = {m: tuner_hook(m, b0, config.min_budget, config.max_budget, config.target, config.tolerance) for m in config.tuning}
     flops_a = config.flops_a if config.flops_a is not None else flops_a_of(cost)
     predict = density.predictor(config.knowledge)
 

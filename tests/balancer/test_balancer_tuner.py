@@ -182,3 +182,17 @@ def test_headroom_keeps_waiting_ranks_below_target():
     assert tight.budgets[0] == D and tight.predicted[0] == pytest.approx(3.0)
     with pytest.raises(ValueError):
         tune(times, GRID, D, MIN, MAX, "bidirectional", headroom=1.0)
+
+
+def test_tolerance_leaves_small_predicted_gaps_alone():
+    times = np.stack([linear(1, 1.8), linear(1, 2.2)])  # default 1.9 and 2.1: T* = 2.0, the slower 5% above it
+    plain = tune(times, GRID, D, MIN, MAX, "bidirectional")
+    assert plain.budgets[1] < D  # without tolerance a 5% gap is cut
+    tolerant = tune(times, GRID, D, MIN, MAX, "bidirectional", tolerance=0.06)
+    assert tolerant.budgets[1] == D and tolerant.predicted[1] == pytest.approx(2.1)
+    assert tolerant.budgets[0] == pytest.approx(plain.budgets[0])  # the waiting rank still fills up to T*
+    assert tolerant.budgets[0] > D
+    wide = np.stack([linear(1, 2), linear(3, 4)])  # a 43% gap is cut whatever the tolerance
+    assert tune(wide, GRID, D, MIN, MAX, "bidirectional", tolerance=0.06).budgets[1] < D
+    with pytest.raises(ValueError):
+        tune(times, GRID, D, MIN, MAX, "bidirectional", tolerance=-0.1)
