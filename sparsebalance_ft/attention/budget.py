@@ -47,6 +47,13 @@ def budget_params(config: SparsityConfig, budget: float) -> tuple[float, int]:
     return thr, int(min(NO_CAP, round(kmax0 / left)))
 
 
+def selection_kwargs(config: SparsityConfig, budget: float) -> dict[str, float | int]:
+    """The keyword arguments of `select_blocks` that `budget` maps to: the rule's threshold (`tau` for
+    `selection: mass`, `margin` for `selection: anchor`) and `k_max`."""
+    threshold, k_max = budget_params(config, budget)
+    return {"margin" if config.selection == "anchor" else "tau": threshold, "k_max": k_max}
+
+
 def _anchor_counts(nb: int, sink: int, local: int) -> np.ndarray:
     i = np.arange(nb)
     s = np.minimum(sink, i + 1)

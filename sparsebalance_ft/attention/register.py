@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .budget import SparseAttentionController, budget_params
-from .kernels import block_sparse_attention, make_plan, resolve_backend
+from .budget import SparseAttentionController, selection_kwargs
+from .kernels import block_sparse_attention, make_plan, resolve_backend, warn_once
 from .selection import (
     Layout,
     Selection,
@@ -39,13 +39,6 @@ log = logging.getLogger(__name__)
 NAME = "sparsebalance"
 _ATTR = "_sparsebalance_controller"
 _defaults: dict[int, SparseAttentionController] = {}
-_warned: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        log.warning(msg)
 
 
 def sparsebalance_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -199,8 +192,6 @@ def sparse_attention_row(
     budget = controller.budget_for(layer)
     dense_layer = layer in controller.dense_layers
     full = dense_layer or (forced is not None and forced >= 1.0) or (forced is None and budget >= 1.0)
-    threshold, k_max = budget_params(cfg, 1.0 if full else budget)
-    rule = {"margin" if cfg.selection == "anchor" else "tau": threshold}
     qp, kp, vp = to_layout(q, layout), to_layout(k, layout), to_layout(v, layout)
     hkv = k.shape[1]
     ndocs = len(layout.doc_lengths)
@@ -215,8 +206,9 @@ def sparse_attention_row(
     t0 = time.perf_counter()
     with _single_thread():
         sel: Selection = select_blocks(
-            qp[0].detach(), kp[0].detach(), layout, **rule, k_max=k_max, k_min=cfg.k_min, sink_blocks=cfg.sink_blocks,
-            local_blocks=cfg.local_blocks, scale=scale, force_density=None if full else forced, window=window,
+            qp[0].detach(), kp[0].detach(), layout, **selection_kwargs(cfg, 1.0 if full else budget), k_min=cfg.k_min,
+            sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, scale=scale,
+            force_density=None if full else forced, window=window,
         )
         backend = resolve_backend(cfg.backend, q.device)
         plan = make_plan(sel.indices[None], sel.counts[None], layout.num_blocks, cfg.chunk_blocks) if backend == "torch" else None
@@ -247,7 +239,7 @@ def sparsebalance_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: q [B, Hq, L, D], k/v [B, Hkv, L, D] -> ([B, L, Hq, D], None)."""
     if dropout:
-        _warn_once("sparsebalance attention ignores attention dropout")
+        warn_once(log, "sparsebalance attention ignores attention dropout")
     if kwargs.get("softcap") is not None:
         raise ValueError("sparsebalance attention does not support softcap")
     controller = _controller_for(module)

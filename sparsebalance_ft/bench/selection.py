@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..attention.budget import NO_CAP, budget_params
+from ..attention.budget import NO_CAP, budget_params, selection_kwargs
 from ..attention.config import SparsityConfig
 from ..attention.selection import Layout, Selection, make_layout, select_blocks
 from ..errors import UserError
@@ -68,11 +68,11 @@ def _sweep(cases: list[dict], layout: Layout, config: SparsityConfig, budgets: l
     """(budget, density, recall[, planted kept]) per budget, averaged over the cases (layers, sequences)."""
     points = []
     for b in budgets:
-        threshold, k_max = budget_params(config, b)
-        rule = {"margin" if config.selection == "anchor" else "tau": threshold}
+        threshold, _ = budget_params(config, b)
+        rule = selection_kwargs(config, b)
         dens, rec, hit = [], [], []
         for case in cases:
-            sel = select_blocks(case["q"], case["k"], layout, **rule, k_max=k_max, k_min=config.k_min,
+            sel = select_blocks(case["q"], case["k"], layout, **rule, k_min=config.k_min,
                                 sink_blocks=config.sink_blocks, local_blocks=config.local_blocks, scale=scale)
             kept = kept_mask(sel)
             dens.append(float(sel.counts.sum()) / float(sel.causal.sum() * sel.counts.shape[0]))

@@ -84,7 +84,7 @@ def test_routes_to_triton(device):
 
 def test_falls_back_without_cuda_or_interpreter(monkeypatch, caplog):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    kernels._warn_once.cache_clear()
+    kernels.warn_once.cache_clear()
     with caplog.at_level(logging.WARNING):
         assert resolve_backend("triton", torch.device("cpu")) == "torch"
     assert "using the torch kernel" in caplog.text

@@ -19,13 +19,14 @@ from .triton import TRITON_AVAILABLE, interpreting, triton_block_sparse_attentio
 
 log = logging.getLogger(__name__)
 
-__all__ = ["block_sparse_attention", "resolve_backend", "make_plan", "Plan", "FLEX_AVAILABLE", "TRITON_AVAILABLE"]
+__all__ = ["block_sparse_attention", "resolve_backend", "make_plan", "Plan", "warn_once", "FLEX_AVAILABLE",
+           "TRITON_AVAILABLE"]
 
 
 @functools.cache
-def _warn_once(message: str) -> None:
-    """Backends resolve on every layer call; one warning per distinct fallback is enough."""
-    log.warning(message)
+def warn_once(logger: logging.Logger, message: str) -> None:
+    """Attention code runs on every layer call; one warning per distinct message is enough."""
+    logger.warning(message)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -39,10 +40,10 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         if TRITON_AVAILABLE and (device.type == "cuda" or interpreting()):
             return "triton"
         why = "triton is not installed" if not TRITON_AVAILABLE else f"tensors on {device.type}, not CUDA"
-        _warn_once(f"triton backend unavailable ({why}); using the {fallback} kernel")
+        warn_once(log, f"triton backend unavailable ({why}); using the {fallback} kernel")
         return fallback
     if backend == "flex" and not FLEX_AVAILABLE:
-        log.warning("FlexAttention unavailable; using the torch kernel")
+        warn_once(log, "FlexAttention unavailable; using the torch kernel")
         return "torch"
     return backend
 
