@@ -235,12 +235,17 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, check_path
 
 def check_recipe_paths(recipe: Recipe) -> None:
     """Fail early, naming the key, when a local path the recipe points at does not exist."""
+    from .data.sources import looks_like_hub_id  # data paths may be Hub dataset ids, loaded later
+
     for key, value in (
         ("model.path", recipe.model.path),
         ("data.path", recipe.data.path),
+        ("data.eval_path", recipe.data.eval_path),
         ("data.tokenizer", recipe.data.tokenizer),
         ("balance.profile", recipe.balance.profile),
     ):
+        if key in ("data.path", "data.eval_path") and value is not None and looks_like_hub_id(value):
+            continue
         if value is not None and not Path(value).exists():
             raise RecipeError(f"{key}: path not found: {value}")
 
