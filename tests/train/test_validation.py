@@ -151,3 +151,25 @@ def test_report_to_none_writes_no_tracker_files(write_recipe):
     recipe = load_recipe(write_recipe(training={"max_steps": 1, "tensorboard": True, "report_to": "none"}))
     train(recipe)
     assert not (Path(recipe.training.output_dir) / "tensorboard").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_sum_their_shares_of_the_validation(write_recipe):
+    """Each rank holds half the held-out documents: eval_tokens counts them all only if the ranks' sums are added."""
+    import subprocess
+    import sys
+
+    from sparsebalance_ft.train.metrics import read_metrics
+    from sparsebalance_ft.train.model import load_model, load_tokenizer
+
+    path = write_recipe(data={"eval_split": 0.25, "max_documents": 12}, training={"max_steps": 2, "docs_per_rank": 1})
+    result = subprocess.run([sys.executable, "-m", "sbft_cli.app", "train", str(path), "--nproc", "2"],
+                            capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    recipe = load_recipe(path)
+    rows = read_metrics(Path(recipe.training.output_dir) / "metrics.jsonl")
+    assert len(rows[-1]["ranks"]) == 2 and "eval_loss" in rows[-1] and "eval_loss" not in rows[0]
+    _, held_out = split_for_eval(load_corpus(recipe.data, load_tokenizer(recipe)), 0.25, recipe.training.seed)
+    assert rows[-1]["eval_tokens"] == int((held_out.lengths - 1).sum())
+    model, _ = load_model(recipe, adapter_dir=Path(recipe.training.output_dir) / "adapter", trainable=False)
+    assert math.isclose(rows[-1]["eval_loss"], _reference_loss(model.eval(), list(held_out)), rel_tol=1e-4)
