@@ -145,6 +145,8 @@ class Recipe(_Section):
                 f"balance.tuning '{self.balance.tuning}' tunes the sparse attention's budget;"
                 " it needs model.attn_implementation: sparsebalance"
             )
+        if self.training.eval_every is not None and self.data.eval_path is None and self.data.eval_split is None:
+            raise ValueError("training.eval_every needs validation data: set data.eval_path or data.eval_split")
         try:
             self.balance.check_default_budget(self.sparsity.budget)
         except UserError as error:

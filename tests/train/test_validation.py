@@ -96,6 +96,17 @@ def test_eval_path_is_loaded_like_data_path(write_recipe, tiny_tokenizer, tmp_pa
     assert build_validation(load_recipe(write_recipe()), corpus, tiny_tokenizer, 0, 1) == (corpus, None)
 
 
+def test_recipe_errors_for_validation_are_one_line(write_recipe):
+    from sparsebalance_ft.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match=r"training.eval_every needs validation data: set data.eval_path or data.eval_split$"):
+        load_recipe(write_recipe(training={"eval_every": 5}))
+    with pytest.raises(RecipeError, match=r"data: eval_path and eval_split are alternatives: set one$"):
+        load_recipe(write_recipe(data={"eval_split": 0.1, "eval_path": "x.jsonl"}))
+    with pytest.raises(RecipeError, match=r"data.eval_path: path not found: .*absent.jsonl$"):
+        load_recipe(write_recipe(data={"eval_path": "/nowhere/absent.jsonl"}))
+
+
 def test_report_to():
     assert tracker_names(TrainingConfig()) == ["tensorboard"]
     assert tracker_names(TrainingConfig(report_to="none")) == []
