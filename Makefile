@@ -41,6 +41,10 @@ bench-attention: install
 bench-selection: install $(MODEL)/config.json
 	$(SBFT) bench selection --model $(MODEL) --out $(BENCH)/selection.json
 
+.PHONY: bench-packing
+bench-packing: install
+	$(SBFT) bench packing --tokens 4096,32768,131072 --repeats 20 --out $(BENCH)/packing.json
+
 simulate: install
 	$(SBFT) simulate --from-text-dir $(STDLIB) --glob '**/*.py' --min-bytes 64 --max-len 131072 \
 		--ranks 8,64,512 --ablate-bucketing --scale-check --markdown --out $(BENCH)/simulate

@@ -113,6 +113,26 @@ def selection(
     console.print(f"wrote {out}")
 
 
+@bench_app.command("packing")
+@user_errors
+def packing(
+    tokens: str = typer.Option("4096,32768,131072", help="Micro-batch sizes in tokens (8 documents each)."),
+    repeats: int = typer.Option(20, min=1, help="Alternating repetitions per size (medians reported)."),
+    out: Path = typer.Option(Path("bench_results/packing.json"), "--out", help="Results as JSON."),
+) -> None:
+    """Pack time per micro-batch: the project's numpy packing against DataCollatorWithFlattening."""
+    from sparsebalance_ft.bench.packing import compare_packing
+
+    result = compare_packing([int(t) for t in _floats(tokens, "tokens")], repeats, out=out)
+    table = Table(title="packing one micro-batch (median ms)")
+    for col in ("tokens", "numpy", "DataCollatorWithFlattening", "library / numpy"):
+        table.add_column(col, justify="right")
+    for row in result["rows"]:
+        table.add_row(f"{row['tokens']:,}", f"{row['own_ms']:.2f}", f"{row['library_ms']:.2f}", f"{row['library_over_own']:.1f}x")
+    console.print(table)
+    console.print(f"wrote {out}")
+
+
 @bench_app.command("balance")
 @user_errors
 def balance(

@@ -60,6 +60,7 @@ def register(app: typer.Typer) -> None:
             ("mean recall", _fmt(s["mean_recall"])),
             ("prediction error", _fmt(s["prediction_error"], "%")),
             ("loss first -> final", f"{_fmt(s['first_loss'])} -> {_fmt(s['final_loss'])}"),
+            ("eval loss first -> final", f"{_fmt(s['first_eval_loss'])} -> {_fmt(s['final_eval_loss'])}"),
         ]
         for name, value in rows:
             table.add_row(name, value)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .attention.config import SparsityConfig
 from .balancer.config import BalanceConfig
@@ -54,8 +54,11 @@ class LoraConfig(_Section):
 
 
 class DataConfig(_Section):
-    path: str = Field(..., description="JSONL or Parquet file, folder of text files, or a `save_to_disk` dataset folder.")
-    format: Literal["auto", "jsonl", "parquet", "text", "saved"] = Field("auto", description="Detected from the path when auto.")
+    path: str = Field(
+        ...,
+        description="JSONL or Parquet file, folder of text files, a `save_to_disk` dataset folder, or a Hub dataset id (owner/name, needs network).",
+    )
+    format: Literal["auto", "jsonl", "parquet", "text", "saved", "hub"] = Field("auto", description="Detected from the path when auto.")
     text_field: str = Field("text", description="Field holding each document's text (JSONL, Parquet, saved datasets).")
     messages_field: str | None = Field(None, description="Field holding chat messages; rendered with the chat template.")
     text_glob: str = Field("**/*", description="Which files of a text folder to read.")
@@ -67,6 +70,21 @@ class DataConfig(_Section):
     )
     max_documents: int | None = Field(None, ge=1, description="Read at most this many documents.")
     cache_dir: str = Field(".sbft_cache", description="Where tokenized datasets are cached and reused.")
+    train_on: Literal["all", "assistant"] = Field(
+        "all", description="`assistant`: loss only on assistant turns of chat data (needs messages_field); `all`: every token."
+    )
+    eval_path: str | None = Field(None, description="Validation data, in any form data.path takes (same fields and length policy).")
+    eval_split: float | None = Field(
+        None, gt=0.0, lt=1.0, description="Hold out this share of the training documents for validation (chosen by training.seed, never trained on)."
+    )
+
+    @model_validator(mode="after")
+    def _data_options_agree(self) -> "DataConfig":
+        if self.train_on == "assistant" and self.messages_field is None:
+            raise ValueError("train_on: assistant needs chat data (set messages_field)")
+        if self.eval_path is not None and self.eval_split is not None:
+            raise ValueError("eval_path and eval_split are alternatives: set one")
+        return self
 
 
 class TrainingConfig(_Section):
@@ -88,7 +106,22 @@ class TrainingConfig(_Section):
     log_every: int = Field(1, ge=1, description="Steps between printed progress lines (metrics.jsonl gets every step).")
     checkpoint_every: int | None = Field(None, ge=1, description="Steps between checkpoints; none disables them.")
     keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept; older ones are deleted.")
-    tensorboard: bool = Field(True, description="Also log scalars to TensorBoard under OUTPUT_DIR/tensorboard.")
+    tensorboard: bool = Field(True, description="Deprecated: `false` removes tensorboard from report_to.")
+    report_to: list[str] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Trackers (accelerate): tensorboard (under OUTPUT_DIR/tensorboard), wandb, mlflow, ...; `none` for none.",
+    )
+    eval_every: int | None = Field(
+        None, ge=1, description="Steps between validation losses (with data.eval_path or eval_split); also after the last step."
+    )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, value: Any) -> Any:
+        """`report_to: wandb` and `report_to: none` as users write them in other trainers."""
+        if value is None or value == "none":
+            return []
+        return [value] if isinstance(value, str) else value
 
 
 class Recipe(_Section):
@@ -112,6 +145,8 @@ class Recipe(_Section):
                 f"balance.tuning '{self.balance.tuning}' tunes the sparse attention's budget;"
                 " it needs model.attn_implementation: sparsebalance"
             )
+        if self.training.eval_every is not None and self.data.eval_path is None and self.data.eval_split is None:
+            raise ValueError("training.eval_every needs validation data: set data.eval_path or data.eval_split")
         try:
             self.balance.check_default_budget(self.sparsity.budget)
         except UserError as error:
@@ -202,12 +237,17 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, check_path
 
 def check_recipe_paths(recipe: Recipe) -> None:
     """Fail early, naming the key, when a local path the recipe points at does not exist."""
+    from .data.sources import looks_like_hub_id  # data paths may be Hub dataset ids, loaded later
+
     for key, value in (
         ("model.path", recipe.model.path),
         ("data.path", recipe.data.path),
+        ("data.eval_path", recipe.data.eval_path),
         ("data.tokenizer", recipe.data.tokenizer),
         ("balance.profile", recipe.balance.profile),
     ):
+        if key in ("data.path", "data.eval_path") and value is not None and looks_like_hub_id(value):
+            continue
         if value is not None and not Path(value).exists():
             raise RecipeError(f"{key}: path not found: {value}")
 

@@ -3,13 +3,17 @@
     corpus = load_corpus(recipe.data, tokenizer)
     corpus.lengths            # np.ndarray[int64], one length per kept document (EOS included)
     len(corpus), corpus[i]    # np.ndarray[int32] token ids of document i (a read-only memmap view)
+    corpus.example(i)         # {"input_ids", and "labels" (-100 outside assistant turns) under train_on: assistant}
+    corpus.target_tokens      # np.ndarray[int64], tokens of each document the shifted loss trains on
+    corpus.subset(indices)    # the same documents' view, e.g. a held-out validation share
     corpus.summary()          # counts to log: read, kept, truncated, dropped (too long / too short)
 
 Cache. Tokenization (one EOS appended per document) is stored under `data.cache_dir` in a folder
 named by a fingerprint of the source files (path, size, mtime), the tokenizer (its full
 serialisation, special tokens and chat template) and the settings that change token ids
-(format, fields, glob, max_documents). It is one flat int32 `tokens.npy` plus the raw
-`lengths.npy`, memory-mapped on load. The length policy (`max_seq_len`, `too_long`,
+(format, fields, glob, max_documents, train_on). It is one flat int32 `tokens.npy` plus the raw
+`lengths.npy` (and, under `train_on: assistant`, a uint8 `assistant_mask.npy` beside the
+tokens), memory-mapped on load. The length policy (`max_seq_len`, `too_long`,
 `min_seq_len`) is applied when loading, so changing it never re-tokenizes. Writers build the
 folder under a temporary name and publish it with one `os.replace`; concurrent callers (ranks)
 serialise on a lock file, so one tokenizes and the others wait and reuse its result.
@@ -29,7 +33,9 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from ..recipe import DataConfig
-from .sources import DataError, Document, detect_format, read_documents, source_files
+from .chat import assistant_mask_method, tokenize_chat
+from .packing import IGNORE_INDEX
+from .sources import DataError, Document, detect_format, hub_fingerprint, read_documents, source_files
 
 CACHE_VERSION = 1
 _BATCH_DOCS = 256
@@ -45,12 +51,24 @@ class TokenizedCorpus:
         starts: np.ndarray,
         lengths: np.ndarray,
         info: dict[str, Any] | None = None,
+        assistant_mask: np.ndarray | None = None,
     ) -> None:
         self.tokens = tokens
         self.starts = np.asarray(starts, dtype=np.int64)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.lengths.setflags(write=False)
+        self.assistant_mask = assistant_mask  # aligned with `tokens`; None: every token is trained on
         self._info = dict(info or {})
+        self.target_tokens = self._target_tokens()
+
+    def _target_tokens(self) -> np.ndarray:
+        """Per document, the labels the shifted loss predicts: all but the first token, or the assistant ones."""
+        if self.assistant_mask is None:
+            return self.lengths - 1
+        return np.array(
+            [int(self.assistant_mask[s + 1 : s + n].sum()) for s, n in zip(self.starts.tolist(), self.lengths.tolist())],
+            dtype=np.int64,
+        )
 
     @classmethod
     def from_documents(cls, docs: Iterable[Sequence[int] | np.ndarray], info: dict[str, Any] | None = None) -> "TokenizedCorpus":
@@ -75,6 +93,21 @@ class TokenizedCorpus:
         start = int(self.starts[i])
         return np.asarray(self.tokens[start : start + int(self.lengths[i])])
 
+    def example(self, index: int) -> dict[str, np.ndarray]:
+        """Document `index` for packing: its `input_ids`, and `labels` (-100 outside assistant turns) when masked."""
+        ids = self[index]
+        if self.assistant_mask is None:
+            return {"input_ids": ids}
+        start = int(self.starts[index if index >= 0 else index + len(self)])
+        mask = np.asarray(self.assistant_mask[start : start + len(ids)], dtype=bool)
+        return {"input_ids": ids, "labels": np.where(mask, ids.astype(np.int64), IGNORE_INDEX)}
+
+    def subset(self, indices: Sequence[int] | np.ndarray) -> "TokenizedCorpus":
+        """The documents at `indices`, in that order, over the same token storage (nothing copied)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        info = {**self._info, "documents": int(len(idx)), "tokens": int(self.lengths[idx].sum())}
+        return TokenizedCorpus(self.tokens, self.starts[idx], self.lengths[idx], info, self.assistant_mask)
+
     def __iter__(self) -> Iterator[np.ndarray]:
         for i in range(len(self)):
             yield self[i]
@@ -96,6 +129,10 @@ class TokenizedCorpus:
                 f"from {s['documents_read']:,} read: {s.get('truncated', 0):,} truncated to {s.get('max_seq_len')}, "
                 f"{s.get('dropped_too_long', 0):,} dropped as too long, "
                 f"{s.get('dropped_too_short', 0):,} dropped as shorter than {s.get('min_seq_len')}"
+            )
+        if "assistant_mask" in s:
+            parts.append(
+                f"loss on {int(self.target_tokens.sum()):,} assistant tokens (found by {s['assistant_mask']})"
             )
         if "cache_hit" in s:
             parts.append("tokenization cache reused" if s["cache_hit"] else "tokenized and cached")
@@ -141,8 +178,10 @@ def corpus_fingerprint(cfg: DataConfig, tokenizer: Any, fmt: str, files: list[Pa
             "messages_field": cfg.messages_field,
             "text_glob": cfg.text_glob,
             "max_documents": cfg.max_documents,
+            "train_on": cfg.train_on,
         },
         "files": stats,
+        "hub": hub_fingerprint(cfg.path) if fmt == "hub" else None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
@@ -189,7 +228,9 @@ def load_corpus(data_cfg: DataConfig, tokenizer: Any, *, progress: bool | None =
     meta = json.loads((entry / "meta.json").read_text())
     tokens = np.load(entry / "tokens.npy", mmap_mode="r")
     raw_lengths = np.load(entry / "lengths.npy")
-    return _apply_length_policy(tokens, raw_lengths, data_cfg, tokenizer, meta, cache_hit, entry)
+    mask_file = entry / "assistant_mask.npy"
+    mask = np.load(mask_file, mmap_mode="r") if mask_file.is_file() else None
+    return _apply_length_policy(tokens, raw_lengths, data_cfg, tokenizer, meta, cache_hit, entry, mask)
 
 
 def _complete(entry: Path) -> bool:
@@ -242,22 +283,28 @@ def _build(entry: Path, cfg: DataConfig, tokenizer: Any, fmt: str, fingerprint: 
     # Chat text carries its own special tokens from the template; plain text gets whatever the
     # tokenizer adds by default (BOS for Llama-style tokenizers, nothing for the tiny one).
     add_special = cfg.messages_field is None
+    assistant_only = cfg.train_on == "assistant"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{fingerprint}-", dir=entry.parent))
     try:
         lengths: list[int] = []
         started = time.perf_counter()
-        with open(tmp / "tokens.bin", "wb") as out, _progress(progress) as bar:
+        with open(tmp / "tokens.bin", "wb") as out, open(tmp / "mask.bin", "wb") as mask_out, _progress(progress) as bar:
             task = bar.add_task("tokenizing", total=None)
             for batch in _batches(read_documents(cfg, tokenizer)):
-                for ids in _tokenize_texts(tokenizer, [d.text for d in batch], add_special):
-                    if not ids or ids[-1] != eos:
-                        ids = list(ids) + [eos]
+                for ids, mask in _tokenize_batch(tokenizer, batch, add_special, assistant_only):
+                    if not ids or ids[-1] != eos:  # the appended EOS is not an assistant token
+                        ids, mask = list(ids) + [eos], mask + [False] if mask is not None else None
                     arr = np.asarray(ids, dtype=np.int32)
                     out.write(arr.tobytes())
+                    if mask is not None:
+                        mask_out.write(np.asarray(mask, dtype=np.uint8).tobytes())
                     lengths.append(len(arr))
                 bar.update(task, advance=len(batch), description=f"tokenizing: {sum(lengths):,} tokens")
         if not lengths:
             raise DataError(f"{cfg.path}: no documents found")
+        if assistant_only:
+            np.save(tmp / "assistant_mask.npy", np.fromfile(tmp / "mask.bin", dtype=np.uint8))
+        (tmp / "mask.bin").unlink()
         raw = np.memmap(tmp / "tokens.bin", dtype=np.int32, mode="r")
         stored = np.lib.format.open_memmap(tmp / "tokens.npy", mode="w+", dtype=np.int32, shape=(len(raw),))
         step = 1 << 24
@@ -277,6 +324,8 @@ def _build(entry: Path, cfg: DataConfig, tokenizer: Any, fmt: str, fingerprint: 
             "tokens_read": int(sum(lengths)),
             "tokenize_seconds": round(time.perf_counter() - started, 3),
         }
+        if assistant_only:
+            meta["assistant_mask"] = assistant_mask_method(tokenizer)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         try:
             os.replace(tmp, entry)
@@ -285,6 +334,13 @@ def _build(entry: Path, cfg: DataConfig, tokenizer: Any, fmt: str, fingerprint: 
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _tokenize_batch(tokenizer: Any, batch: list[Document], add_special: bool, assistant_only: bool):
+    """(token ids, assistant mask or None) per document: one tokenizer call for plain text, per conversation for masks."""
+    if not assistant_only:
+        return [(ids, None) for ids in _tokenize_texts(tokenizer, [d.text for d in batch], add_special)]
+    return [tokenize_chat(d.messages, tokenizer, d.where) for d in batch]
 
 
 def _progress(enabled: bool | None):
@@ -313,6 +369,7 @@ def _apply_length_policy(
     meta: dict[str, Any],
     cache_hit: bool,
     entry: Path,
+    assistant_mask: np.ndarray | None = None,
 ) -> TokenizedCorpus:
     starts = np.zeros(len(raw_lengths), dtype=np.int64)
     np.cumsum(raw_lengths[:-1], out=starts[1:])
@@ -352,12 +409,14 @@ def _apply_length_policy(
         "cache_path": str(entry),
         "fingerprint": meta["fingerprint"],
     }
+    if "assistant_mask" in meta:
+        info["assistant_mask"] = meta["assistant_mask"]
     if not keep.any():
         raise DataError(
             f"{cfg.path}: no documents left: {len(raw_lengths)} read, {dropped_long} over max_seq_len"
             f" {cfg.max_seq_len}, {dropped_short} under min_seq_len {cfg.min_seq_len}"
         )
-    return TokenizedCorpus(tokens, starts[keep], lengths[keep], info)
+    return TokenizedCorpus(tokens, starts[keep], lengths[keep], info, assistant_mask)
 
 
 def _where(cfg: DataConfig, tokenizer: Any, index: int) -> str:

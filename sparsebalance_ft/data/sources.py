@@ -1,16 +1,21 @@
-"""Where documents come from: local JSONL, Parquet, folders of text files, saved `datasets`.
+"""Where documents come from: local JSONL, Parquet, folders of text files, saved `datasets`, Hub ids.
 
 `read_documents(cfg, tokenizer)` yields `Document(text, where)` one by one, in a fixed order,
 where `where` names the origin ("file.jsonl:12", "data.parquet:row 7", "texts/a.txt") for error
 messages. Chat messages (`cfg.messages_field`) are rendered with the tokenizer's chat template.
 `source_files(cfg)` lists the files a source reads, for the tokenization cache's fingerprint.
+A `data.path` that does not exist locally and reads `owner/name` is a Hugging Face Hub dataset
+id, loaded with `datasets.load_dataset` (network, or the datasets cache); offline, loading it is
+one line naming the id.
 
 Every problem a user can fix raises `DataError` with one line naming the path (and line/row,
 and field where one is at fault).
 """
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -18,11 +23,12 @@ from typing import Any, Iterator
 from ..errors import UserError
 from ..recipe import DataConfig
 
-FORMATS = ("jsonl", "parquet", "text", "saved")
+FORMATS = ("jsonl", "parquet", "text", "saved", "hub")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 # Marker files that `Dataset.save_to_disk` / `DatasetDict.save_to_disk` write.
 SAVED_MARKERS = ("state.json", "dataset_info.json", "dataset_dict.json")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class DataError(UserError):
@@ -33,6 +39,16 @@ class DataError(UserError):
 class Document:
     text: str
     where: str
+    messages: list | None = None  # the chat messages `text` was rendered from, for assistant-only labels
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """`owner/name` that is not a local path (nor a data file's name): a Hub dataset id."""
+    return (
+        bool(_HUB_ID.match(path))
+        and not Path(path).exists()
+        and not _has_suffix(Path(path), JSONL_SUFFIXES + PARQUET_SUFFIXES + (".txt",))
+    )
 
 
 def _has_suffix(path: Path, suffixes: tuple[str, ...]) -> bool:
@@ -47,6 +63,8 @@ def detect_format(cfg: DataConfig) -> str:
     JSONL or Parquet if every matched file has that suffix, else a folder of text files.
     """
     path = Path(cfg.path)
+    if cfg.format == "hub" or (cfg.format == "auto" and looks_like_hub_id(cfg.path)):
+        return "hub"
     if not path.exists():
         raise DataError(f"{path}: data path not found")
     if cfg.format != "auto":
@@ -83,6 +101,8 @@ def source_files(cfg: DataConfig, fmt: str | None = None) -> list[Path]:
     """The files a source reads, in reading order (every file of a saved dataset's folder)."""
     fmt = fmt or detect_format(cfg)
     path = Path(cfg.path)
+    if fmt == "hub":
+        return []  # the cache fingerprint uses the loaded dataset's own fingerprint (`hub_fingerprint`)
     if path.is_file():
         return [path]
     if fmt == "saved":
@@ -111,14 +131,19 @@ def read_documents(cfg: DataConfig, tokenizer: Any = None) -> Iterator[Document]
         records = _read_records(cfg, _jsonl_rows, fmt)
     elif fmt == "parquet":
         records = _read_records(cfg, _parquet_rows, fmt)
+    elif fmt == "hub":
+        records = _dataset_rows(load_hub_dataset(cfg.path), cfg.path, cfg)
     else:
         records = _read_saved(cfg)
     count = 0
     for row, where in records:
         if cfg.max_documents is not None and count >= cfg.max_documents:
             return
-        text = row if isinstance(row, str) else _document_text(row, where, cfg, tokenizer)
-        yield Document(text, where)
+        if isinstance(row, str):
+            yield Document(row, where)
+        else:
+            text = _document_text(row, where, cfg, tokenizer)
+            yield Document(text, where, row[cfg.messages_field] if cfg.messages_field is not None else None)
         count += 1
 
 
@@ -199,6 +224,38 @@ def _read_saved(cfg: DataConfig) -> Iterator[tuple[dict, str]]:
         loaded = datasets.load_from_disk(str(path))
     except Exception as error:
         raise DataError(f"{path}: not a dataset saved with save_to_disk: {str(error).splitlines()[0]}") from None
+    return _dataset_rows(loaded, str(path), cfg)
+
+
+@functools.lru_cache(maxsize=4)
+def load_hub_dataset(name: str):
+    """`datasets.load_dataset(name)`, once per process; offline or unknown, one line naming the id."""
+    import datasets
+    from huggingface_hub import constants
+
+    try:
+        return datasets.load_dataset(name)
+    except Exception as error:  # offline, unknown id, gated: several exception types
+        if constants.HF_HUB_OFFLINE or datasets.config.HF_DATASETS_OFFLINE:
+            reason = "offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set) and not in the datasets cache"
+        else:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise DataError(
+            f"{name}: not a local path; as a Hugging Face Hub dataset id it could not be loaded: {reason}"
+        ) from None
+
+
+def hub_fingerprint(name: str) -> str:
+    """The loaded Hub dataset's own fingerprints (they change when its files do), for the tokenization cache."""
+    loaded = load_hub_dataset(name)
+    splits = loaded.values() if hasattr(loaded, "values") else [loaded]
+    return ",".join(getattr(split, "_fingerprint", "") for split in splits)
+
+
+def _dataset_rows(loaded, path: str, cfg: DataConfig) -> Iterator[tuple[dict, str]]:
+    """Rows of a `datasets` Dataset, or of a DatasetDict's `train` split (or its only split)."""
+    import datasets
+
     if isinstance(loaded, datasets.DatasetDict):
         if "train" in loaded:
             loaded, split = loaded["train"], "train"

@@ -66,6 +66,16 @@ def rank_series(records: list[dict], key: str) -> dict[int, tuple[list[int], lis
     return dict(sorted(series.items()))
 
 
+def loss_series(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """The loss curves to draw: `train` (every step's loss) and `eval` (the steps that ran validation)."""
+    series = {}
+    for name, key in (("train", "loss"), ("eval", "eval_loss")):
+        points = [(r["step"], num(r.get(key))) for r in records]
+        points = [(step, value) for step, value in points if math.isfinite(value)]
+        series[name] = ([step for step, _ in points], [value for _, value in points])
+    return series
+
+
 def _mean(values) -> float | None:
     values = [v for v in values if math.isfinite(v)]
     return sum(values) / len(values) if values else None
@@ -79,8 +89,8 @@ def summarize(records: list[dict]) -> dict[str, Any]:
         predicted, measured = num(entry.get("predicted_time")), num(entry.get("compute_time"))
         if math.isfinite(predicted) and math.isfinite(measured) and measured > 0:
             errors.append(abs(predicted / measured - 1.0))
-    losses = [num(r.get("loss")) for r in records]
-    finite_losses = [v for v in losses if math.isfinite(v)]
+    losses = loss_series(records)
+    finite_losses, eval_losses = losses["train"][1], losses["eval"][1]
     step_times = [num(r.get("step_time")) for r in records]
     return {
         "steps": len(records),
@@ -99,6 +109,9 @@ def summarize(records: list[dict]) -> dict[str, Any]:
         "prediction_error": _mean(errors),
         "first_loss": finite_losses[0] if finite_losses else None,
         "final_loss": finite_losses[-1] if finite_losses else None,
+        "eval_points": len(eval_losses),
+        "first_eval_loss": eval_losses[0] if eval_losses else None,
+        "final_eval_loss": eval_losses[-1] if eval_losses else None,
     }
 
 

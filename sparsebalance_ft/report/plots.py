@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .metrics import num, rank_series  # noqa: E402
+from .metrics import loss_series, num, rank_series  # noqa: E402
 
 MAX_LEGEND = 8
 
@@ -86,13 +86,12 @@ def plot_budgets(records: list[dict], path: Path) -> Path:
 
 
 def plot_bubble_loss(records: list[dict], path: Path) -> Path:
-    """Bubble share, step time and loss over steps."""
+    """Bubble share, step time and loss (training, and validation where the run ran it) over steps."""
     steps = [r["step"] for r in records]
     fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
     panels = (
         ("bubble", "bubble share (%)", lambda r: 100 * num(r.get("bubble"))),
         ("step_time", "step time (s)", lambda r: num(r.get("step_time"))),
-        ("loss", "loss", lambda r: num(r.get("loss"))),
     )
     for ax, (key, label, get) in zip(axes, panels):
         values = [get(r) for r in records]
@@ -101,6 +100,7 @@ def plot_bubble_loss(records: list[dict], path: Path) -> Path:
         else:
             _no_data(ax, key)
         ax.set_ylabel(label)
+    _plot_losses(axes[2], records)
     imbalance = [num(r.get("imbalance")) for r in records]
     if any(math.isfinite(v) for v in imbalance):
         twin = axes[0].twinx()
@@ -109,3 +109,18 @@ def plot_bubble_loss(records: list[dict], path: Path) -> Path:
     axes[-1].set_xlabel("step")
     axes[0].set_title("bubble, step time and loss")
     return _save(fig, path)
+
+
+def _plot_losses(ax, records: list[dict]) -> None:
+    series = loss_series(records)
+    train_steps, train_values = series["train"]
+    eval_steps, eval_values = series["eval"]
+    if train_steps:
+        ax.plot(train_steps, train_values, marker=".", markersize=3, linewidth=1, label="train")
+    if eval_steps:
+        ax.plot(eval_steps, eval_values, marker="s", markersize=4, linewidth=1.2, color="tab:green", label="eval")
+    if not train_steps and not eval_steps:
+        _no_data(ax, "loss")
+    elif eval_steps:
+        ax.legend(fontsize=7, loc="best")
+    ax.set_ylabel("loss")

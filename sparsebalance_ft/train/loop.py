@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..data import load_corpus, pack_micro_batch
+from ..data import load_corpus, pack_documents
 from ..recipe import Recipe, dump_recipe
 from .balancing import build_balancing
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -25,6 +25,8 @@ from .model import load_model, load_tokenizer, resolve_mixed_precision
 from .optim import build_optimizer, build_scheduler
 from .progress import StepProgress
 from .step import run_local_step
+from .trackers import tracker_names
+from .validation import build_validation
 
 
 @dataclass
@@ -52,7 +54,7 @@ def make_accelerator(recipe: Recipe):
     return Accelerator(
         cpu=not torch.cuda.is_available(),
         mixed_precision=resolve_mixed_precision(recipe.training.mixed_precision),
-        log_with="tensorboard" if recipe.training.tensorboard else None,
+        log_with=tracker_names(recipe.training) or None,
         project_config=ProjectConfiguration(project_dir=out, logging_dir=str(Path(out) / "tensorboard")),
     )
 
@@ -104,6 +106,7 @@ def train(recipe: Recipe, resume: bool = False, console=None) -> dict:
     tokenizer = load_tokenizer(recipe)
     with accelerator.main_process_first():  # the first rank tokenizes, the others reuse its cache
         corpus = load_corpus(recipe.data, tokenizer)
+        corpus, validation = build_validation(recipe, corpus, tokenizer, rank, world, console.print if accelerator.is_main_process else None)
     if accelerator.is_main_process:
         console.print(f"data: {corpus.describe()}", highlight=False)
     if not accelerator.is_main_process:
@@ -137,8 +140,7 @@ def train(recipe: Recipe, resume: bool = False, console=None) -> dict:
             if accelerator.is_main_process:
                 console.print(f"resumed from {checkpoint} at step {state.step}")
     writer = MetricsWriter(accelerator, out, resume_step=state.step)
-    if recipe.training.tensorboard:
-        accelerator.init_trackers("sbft", config=_tracker_config(recipe))
+    accelerator.init_trackers("sbft", config=_tracker_config(recipe))  # no-op with report_to: none
 
     model.train()
     started = time.perf_counter()
@@ -151,8 +153,8 @@ def train(recipe: Recipe, resume: bool = False, console=None) -> dict:
             plan = balancing.sampler.plan(state.epoch, state.step_in_epoch)
             mine = plan.micro_batches[rank]
             decision = balancing.before_step(mine)
-            batches = [pack_micro_batch([corpus[i] for i in mb]) for mb in mine if mb]
-            global_targets = int(sum(corpus.lengths[i] - 1 for ranks in plan.micro_batches for mb in ranks for i in mb))
+            batches = [pack_documents(corpus, mb) for mb in mine if mb]
+            global_targets = int(sum(corpus.target_tokens[i] for ranks in plan.micro_batches for mb in ranks for i in mb))
             local = run_local_step(accelerator, model, batches, global_targets, params)
             if recipe.training.max_grad_norm:
                 accelerator.clip_grad_norm_(params, recipe.training.max_grad_norm)
@@ -182,6 +184,8 @@ def train(recipe: Recipe, resume: bool = False, console=None) -> dict:
                 state.step, state.epoch, scheduler.get_last_lr()[0], time.perf_counter() - step_start, records
             )
             last_loss = metrics["loss"]
+            if validation is not None and validation.due(state.step, total_steps):
+                metrics.update(validation.evaluate(accelerator, model, state.step, balancing.controller))
             writer.write(metrics)
             progress.update(state.step, metrics, every=recipe.training.log_every)
 

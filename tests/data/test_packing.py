@@ -11,13 +11,51 @@ def test_pack_layout():
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0]]
     assert batch["labels"].tolist() == [[IGNORE_INDEX, 6, 7, IGNORE_INDEX, 9, IGNORE_INDEX]]
-    assert batch["doc_lengths"].tolist() == [3, 2, 1]
-    assert batch["cu_seqlens"].tolist() == [0, 3, 5, 6] and batch["cu_seqlens"].dtype == torch.int32
-    assert (batch["num_tokens"], batch["num_label_tokens"]) == (6, 3)
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5, 6] and batch["cu_seq_lens_q"].dtype == torch.int32
+    assert (batch["max_length_q"], batch["max_length_k"]) == (3, 3)
     for key in ("input_ids", "position_ids", "labels"):
         assert batch[key].dtype == torch.long and batch[key].shape == (1, 6)
     assert set(model_inputs(batch)) == {"input_ids", "position_ids", "labels", "use_cache"}
     assert model_inputs(batch)["use_cache"] is False
+
+
+def _library_batch(features):
+    from transformers import DataCollatorWithFlattening
+
+    return DataCollatorWithFlattening(return_flash_attn_kwargs=True)(features)
+
+
+def _assert_same_batch(ours, library):
+    assert set(ours) == set(library)
+    for key, value in library.items():
+        if isinstance(value, torch.Tensor):
+            assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), key
+        else:
+            assert ours[key] == value, key
+
+
+def test_packing_equals_transformers_flattening_collator():
+    """Same tensors as DataCollatorWithFlattening, the library call it stands in for (see the module docstring)."""
+    gen = np.random.default_rng(3)
+    docs = [gen.integers(0, 4096, n).astype(np.int32) for n in (57, 1, 31, 2, 40)]
+    _assert_same_batch(pack_micro_batch(docs), _library_batch([{"input_ids": d} for d in docs]))
+
+
+def test_packing_keeps_per_document_label_masks_like_the_collator():
+    """Assistant-only labels (-100 outside assistant turns) survive packing; each document start is -100 too."""
+    gen = np.random.default_rng(4)
+    features = []
+    for n in (20, 9, 33):
+        ids = gen.integers(0, 4096, n)
+        labels = np.where(gen.random(n) < 0.5, ids, IGNORE_INDEX)
+        features.append({"input_ids": ids, "labels": labels})
+    ours = pack_micro_batch(features)
+    _assert_same_batch(ours, _library_batch(features))
+    expected = np.concatenate([np.r_[IGNORE_INDEX, f["labels"][1:]] for f in features])
+    assert ours["labels"][0].tolist() == expected.tolist()
+    assert all(f["labels"].dtype == np.int64 for f in features)  # callers' arrays are not written to
+    with pytest.raises(ValueError, match="document 0 .* 2 labels for 3 tokens"):
+        pack_micro_batch([{"input_ids": [1, 2, 3], "labels": [1, 2]}])
 
 
 def test_empty_micro_batch_is_none_and_empty_document_is_an_error():
@@ -31,7 +69,7 @@ def test_packing_corpus_documents(data_config, tiny_tokenizer):
 
     corpus = load_corpus(data_config(max_seq_len=256), tiny_tokenizer)
     batch = pack_micro_batch([corpus[0], corpus[1], corpus[2]])
-    assert batch["num_tokens"] == int(corpus.lengths[:3].sum())
+    assert batch["input_ids"].shape[1] == int(corpus.lengths[:3].sum())
     assert batch["input_ids"][0, : len(corpus[0])].tolist() == corpus[0].tolist()
 
 

@@ -8,9 +8,10 @@ from typer.testing import CliRunner
 from sbft_cli.report import register
 from sparsebalance_ft.errors import UserError
 from sparsebalance_ft.report import ReportError, load_metrics, make_report, summarize
+from sparsebalance_ft.report.metrics import loss_series
 
 
-def synthetic_run(run_dir, steps=6, ranks=2, dense=False, partial_tail=False):
+def synthetic_run(run_dir, steps=6, ranks=2, dense=False, partial_tail=False, eval_every=None):
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = []
     for step in range(1, steps + 1):
@@ -45,6 +46,7 @@ def synthetic_run(run_dir, steps=6, ranks=2, dense=False, partial_tail=False):
                     "imbalance": slowest / mean,
                     "bubble": 1 - mean / slowest,
                     "ranks": entries,
+                    **({"eval_loss": 6.0 - 0.2 * step, "eval_tokens": 900} if eval_every and step % eval_every == 0 else {}),
                 }
             )
         )
@@ -120,3 +122,17 @@ def test_cli(tmp_path):
     assert missing.exit_code == 2
     bad = CliRunner().invoke(_app(), ["report", str(run), "--steps", "x"])
     assert bad.exit_code == 2
+
+
+def test_eval_loss_is_summarised_and_drawn_beside_the_training_loss(tmp_path):
+    run = synthetic_run(tmp_path / "run", eval_every=3)
+    records = load_metrics(run)
+    series = loss_series(records)
+    assert series["eval"] == ([3, 6], [pytest.approx(5.4), pytest.approx(4.8)])
+    assert series["train"][0] == [1, 3, 4, 5, 6]  # step 2 logged no loss
+    result = make_report(run)
+    s = result.summary
+    assert s["eval_points"] == 2 and s["first_eval_loss"] == pytest.approx(5.4) and s["final_eval_loss"] == pytest.approx(4.8)
+    assert summarize(load_metrics(synthetic_run(tmp_path / "plain")))["final_eval_loss"] is None
+    output = CliRunner().invoke(_app(), ["report", str(run)]).output
+    assert "eval loss first -> final" in output and "5.4 -> 4.8" in output
