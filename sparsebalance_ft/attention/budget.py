@@ -146,6 +146,7 @@ class SparseAttentionController:
         self._lock = threading.Lock()
         self._acc = self._new_acc()
         self._routes: dict[tuple[int, int], CachedRoute] = {}
+        self.call_position_ids: torch.Tensor | None = None  # the model call's, for layers that do not pass them
         dense = set()
         for i in self.config.dense_layers:
             j = i + self.num_layers if i < 0 else i

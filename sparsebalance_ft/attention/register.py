@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 NAME = "sparsebalance"
 CONTROLLER_ATTR = "_sparsebalance_controller"
+_HOOK_ATTR = "_sparsebalance_position_hook"
 
 
 @dataclass(frozen=True)
@@ -114,12 +115,23 @@ def register_sparse_attention() -> None:
 
 
 def bind_controller(model: torch.nn.Module, controller) -> int:
-    """Point every attention module (a module with an int `layer_idx`) of `model` at `controller`."""
+    """Point every attention module (a module with an int `layer_idx`) of `model` at `controller`, and
+    remember each call's `position_ids` on the controller (a forward pre-hook on `model`): some decoder
+    layers (Llama4's) do not pass them down to the attention, which needs them to keep packed documents
+    apart."""
     n = 0
     for m in model.modules():
         if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "config"):
             object.__setattr__(m, CONTROLLER_ATTR, controller)
             n += 1
+    previous = getattr(model, _HOOK_ATTR, None)
+    if previous is not None:
+        previous.remove()
+
+    def remember_positions(_module, args, kwargs):
+        controller.call_position_ids = kwargs.get("position_ids")
+
+    object.__setattr__(model, _HOOK_ATTR, model.register_forward_pre_hook(remember_positions, with_kwargs=True))
     return n
 
 
@@ -456,7 +468,12 @@ def _attention(controller, module, query, key, value, attention_mask, scaling, i
     window = sliding_window if sliding_window is not None else (local.window if local is not None else None)
     chunk = local.chunk if local is not None else None
     layer = int(getattr(module, "layer_idx", 0) or 0)
-    rows = _LAYOUTS.get(b, lq, kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), padding,
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = getattr(controller, "call_position_ids", None)
+        if position_ids is not None and position_ids.shape[-1] != lq:
+            position_ids = None
+    rows = _LAYOUTS.get(b, lq, position_ids, kwargs.get("cu_seq_lens_q"), padding,
                         controller.config.block_size, chunk, query.device)
     outs = []
     for row, rl in enumerate(rows):
