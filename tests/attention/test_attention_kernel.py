@@ -141,3 +141,26 @@ def test_attention_sinks_equal_the_eager_sink_softmax(flash, partial, window, mo
     want = torch.autograd.grad(ref, (q, k, v, sinks), go)
     for s, r in zip(got, want):
         torch.testing.assert_close(s, r, atol=1e-10, rtol=1e-8)
+
+
+def test_documents_in_one_fused_call_equal_sdpa_per_document():
+    """The full-budget route over packed documents: one kernel call, the same output as SDPA per document."""
+    from sparsebalance_ft.attention.register import _dense_docs
+
+    bs, hq, hkv, d = 16, 4, 2, 16
+    layout = make_layout([40, 16, 75, 3], bs)
+    q, k, v = qkv(hq, hkv, layout.padded_length, d, dtype=torch.float64, seed=8)
+    go = torch.randn(1, hq, layout.padded_length, d, dtype=torch.float64)
+    fused = grads(lambda a, b, c: _dense_docs(a, b, c, layout, d**-0.5, "torch", 256), q, k, v, go)
+
+    def per_document(a, b, c):
+        outs, start = [], 0
+        for n in layout.doc_lengths:
+            sl = slice(start, start + -(-n // bs) * bs)
+            outs.append(F.scaled_dot_product_attention(a[:, :, sl], b[:, :, sl], c[:, :, sl], is_causal=True,
+                                                       enable_gqa=True))
+            start = sl.stop
+        return torch.cat(outs, dim=2)
+
+    for s, r in zip(fused, grads(per_document, q, k, v, go)):
+        torch.testing.assert_close(s, r, atol=1e-12, rtol=1e-10)
