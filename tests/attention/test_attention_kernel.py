@@ -164,3 +164,51 @@ def test_documents_in_one_fused_call_equal_sdpa_per_document():
 
     for s, r in zip(fused, grads(per_document, q, k, v, go)):
         torch.testing.assert_close(s, r, atol=1e-12, rtol=1e-10)
+
+
+def _dense_blocks(num, idx, cols):
+    """[..., rows] counts and [..., rows, W] indices -> [..., rows, cols] bool (a test-side densifier)."""
+    valid = torch.arange(idx.shape[-1]) < num[..., None].long()
+    out = torch.zeros(*idx.shape[:-1], cols + 1, dtype=torch.bool)
+    return out.scatter_(-1, torch.where(valid, idx.long(), cols), True)[..., :cols]
+
+
+@pytest.mark.skipif(not FLEX_AVAILABLE, reason="FlexAttention unavailable")
+@pytest.mark.parametrize("window", [None, 100])
+def test_flex_block_mask_is_the_torch_kernels_block_set(window):
+    """The BlockMask built from compact indices holds exactly the kept blocks (per query head of each GQA
+    group), full blocks only where no mask is needed, and query-side lists that transpose the key side."""
+    from sparsebalance_ft.attention.kernels.flex import build_block_mask
+
+    bs, hq, hkv, length, d = 64, 6, 2, 640, 16
+    q, k, _ = (t.detach() for t in qkv(hq, hkv, length, d, seed=9))
+    sel = select_blocks(q[0], k[0], make_layout([length], bs), tau=0.5, k_max=3, k_min=2, sink_blocks=1,
+                        local_blocks=1, scale=d**-0.5, window=window)
+    idx, counts = sel.indices[None], sel.counts[None]
+    nb = length // bs
+    bm = build_block_mask(idx, counts, bs, hq // hkv, length, window, eager_table=False)
+    assert bm.kv_indices.shape[-1] == idx.shape[-1] < nb  # as wide as the selection, not the sequence
+    kept = _dense_blocks(counts, idx, nb).repeat_interleave(hq // hkv, dim=1)  # the torch kernel's block set
+    partial = _dense_blocks(bm.kv_num_blocks, bm.kv_indices, nb)
+    full = _dense_blocks(bm.full_kv_num_blocks, bm.full_kv_indices, nb)
+    assert torch.equal(partial | full, kept) and not (partial & full).any()
+    i, j = torch.arange(nb)[:, None], torch.arange(nb)[None, :]
+    no_mask_needed = j < i
+    if window is not None:
+        no_mask_needed &= j * bs > i * bs + bs - 1 - window
+    assert torch.equal(full, kept & no_mask_needed)
+    assert torch.equal(_dense_blocks(bm.q_num_blocks, bm.q_indices, nb), partial.transpose(-1, -2))
+    assert torch.equal(_dense_blocks(bm.full_q_num_blocks, bm.full_q_indices, nb), full.transpose(-1, -2))
+
+
+@pytest.mark.skipif(not FLEX_AVAILABLE, reason="FlexAttention unavailable")
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_sinks_match_reference():
+    bs, hq, hkv, length, d = 64, 4, 2, 256, 16
+    q, k, v = (t.detach() for t in qkv(hq, hkv, length, d, seed=10))
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(11))
+    idx, counts = full_selection(length, bs, hkv)
+    with torch.no_grad():
+        out = block_sparse_attention(q, k, v, idx, counts, block_size=bs, backend="flex", sinks=sinks)
+        ref = masked_reference(q, k, v, idx, counts, bs, sinks=sinks)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
