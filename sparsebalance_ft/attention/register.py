@@ -15,12 +15,13 @@ refused; sinks (GPT-OSS) are folded into the softmax by the kernels; a chunk (Ll
 document into chunk-long pieces in the block layout (a chunk boundary is a document boundary for
 attention), so selection and kernels need nothing new.
 
-Host syncs per layer call on the sparse path (what stays, and why): `select_blocks` reads three maxima
-(the causal, anchor and kept counts size its tensors), the torch kernel's `make_plan` reads the kept
-counts to group rows into chunks (CPU only; the GPU default is flex, which has none), `from_layout`
-checks once whether padding was dropped, and recall sampling (``recall_samples > 0``) reads its samples.
-The documents and layouts are built once per forward (not per layer) and the report's counts stay on
-the device until `pop_report`.
+Host syncs per layer call on the sparse path (what stays, and why): `select_blocks` reads 2 maxima (the
+anchor and kept counts size its tensors), the torch kernel's `make_plan` reads the kept counts 3 times to
+group rows into chunks (the torch backend only; on CUDA the default is flex, whose mask is built without
+any), `from_layout` reads 1 flag (whether padding was dropped) when the layout is not the identity, and
+recall sampling reads 4 values per sample (``recall_samples``, 0 switches it off). The documents and
+layouts are built once per forward (not per layer), and the report's per-document counts stay on the
+device until `pop_report`.
 """
 from __future__ import annotations
 
