@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .config import SparsityConfig
+from .register import CachedRoute, bind_controller, in_backward, register_sparse_attention
 
 NO_CAP = 2**31 - 1  # k_max meaning "no cap"
 
@@ -119,22 +120,23 @@ class _Accum:
     causal: np.ndarray
     recall_sum: np.ndarray
     recall_n: np.ndarray
-    docs: dict = field(default_factory=dict)  # (forward, row, doc) -> [length, kept, causal]
+    # (forward, row, layer, doc lengths, kept per doc, causal per doc): the per-document counts stay tensors
+    # (on the attention's device) until pop_report, so recording a layer costs no device-to-host copy
+    pending: list = field(default_factory=list)
     forwards: int = 0
     last_layer: int | None = None
     selection_seconds: float = 0.0
 
 
-def _in_backward() -> bool:
-    """True while autograd runs a backward (e.g. gradient-checkpoint recomputation): not a new forward."""
-    try:
-        return torch._C._current_graph_task_id() != -1
-    except AttributeError:  # pragma: no cover
-        return False
-
-
 class SparseAttentionController:
-    """Per-model state of the `sparsebalance` attention: budgets in, reports out."""
+    """Per-model state of the `sparsebalance` attention: budgets in, reports out.
+
+    It also remembers, per (layer, batch row), the route and the block selection of the last training
+    forward: a gradient-checkpoint recompute (which runs inside the backward) reuses it instead of
+    selecting again, so it computes exactly the blocks of the forward, is not counted in the report a
+    second time and samples no recall. One training forward's selections are held (one per layer and
+    row, replaced by the next forward), about ``Hkv * nq * K`` ints per layer.
+    """
 
     def __init__(self, config: SparsityConfig | None = None, num_layers: int = 1):
         self.config = config or SparsityConfig()
@@ -143,6 +145,8 @@ class SparseAttentionController:
         self._forced: float | None = None
         self._lock = threading.Lock()
         self._acc = self._new_acc()
+        self._routes: dict[tuple[int, int], CachedRoute] = {}
+        self.call_position_ids: torch.Tensor | None = None  # the model call's, for layers that do not pass them
         dense = set()
         for i in self.config.dense_layers:
             j = i + self.num_layers if i < 0 else i
@@ -155,11 +159,10 @@ class SparseAttentionController:
     @classmethod
     def attach(cls, model: torch.nn.Module, config: SparsityConfig | None = None) -> "SparseAttentionController":
         """Register the implementation, switch `model` (peft-wrapped or not) to it, and bind a controller."""
-        from .register import bind_controller, register_sparse_attention
-
         register_sparse_attention()
         base = _base_model(model)
         hf_config = base.config
+        _refuse_unsupported(hf_config)
         num_layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0) or _count_layers(base)
         controller = cls(config, num_layers)
         if getattr(hf_config, "_attn_implementation", None) != "sparsebalance":
@@ -189,6 +192,10 @@ class SparseAttentionController:
     def budget_for(self, layer: int) -> float:
         return self._budgets[layer] if 0 <= layer < self.num_layers else float(self.config.budget)
 
+    def selection_kwargs(self, budget: float) -> dict[str, float | int]:
+        """`select_blocks` keyword arguments (the rule's threshold and k_max) that `budget` maps to."""
+        return selection_kwargs(self.config, budget)
+
     def force_density(self, density: float | None) -> None:
         """Profiling mode: every query block keeps round(density * causal blocks) (>= 1); None switches it off."""
         if density is not None and not 0.0 <= float(density) <= 1.0:
@@ -199,15 +206,27 @@ class SparseAttentionController:
     def forced_density(self) -> float | None:
         return self._forced
 
+    # -- checkpoint recompute -------------------------------------------------------------------------
+    def keep_route(self, layer: int, row: int, route: CachedRoute) -> None:
+        """Remember what a training forward's layer call did for `row` (replacing the previous forward's)."""
+        self._routes[(layer, row)] = route
+
+    def kept_route(self, layer: int, row: int, signature: tuple) -> CachedRoute | None:
+        """The route the forward took for this (layer, row), if it was for the same layout."""
+        route = self._routes.get((layer, row))
+        return route if route is not None and route.signature == signature else None
+
     # -- reports --------------------------------------------------------------------------------------
     def _new_acc(self) -> _Accum:
         n = self.num_layers
         return _Accum(np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n))
 
-    def record(self, layer: int, row: int, doc_lengths: list[int], doc_kept: np.ndarray, doc_causal: np.ndarray,
+    def record(self, layer: int, row: int, doc_lengths: list[int], doc_kept, doc_causal,
                recall: float | None, selection_seconds: float = 0.0) -> None:
-        """Account one layer call for one batch row (kept/causal per document, summed over kv heads)."""
-        if _in_backward():
+        """Account one layer call for one batch row: kept/causal blocks per document, summed over kv heads
+        (arrays or tensors; tensors are read at `pop_report`). Calls made during a backward (a checkpoint
+        recompute) are not new forwards and are ignored."""
+        if in_backward():
             return
         with self._lock:
             acc = self._acc
@@ -215,27 +234,47 @@ class SparseAttentionController:
                 acc.forwards += 1
             if row == 0:
                 acc.last_layer = layer
-            if 0 <= layer < self.num_layers:
-                acc.kept[layer] += float(doc_kept.sum())
-                acc.causal[layer] += float(doc_causal.sum())
-                if recall is not None:  # weighted by the row's tokens: a 40-token micro-batch is not an 8K one
-                    tokens = max(1, sum(doc_lengths))
-                    acc.recall_sum[layer] += recall * tokens
-                    acc.recall_n[layer] += tokens
+            if 0 <= layer < self.num_layers and recall is not None:
+                tokens = max(1, sum(doc_lengths))  # weighted by the row's tokens: a 40-token micro-batch is not an 8K one
+                acc.recall_sum[layer] += recall * tokens
+                acc.recall_n[layer] += tokens
             acc.selection_seconds += selection_seconds
-            f = acc.forwards
-            for d, (n, kk, cc) in enumerate(zip(doc_lengths, doc_kept.tolist(), doc_causal.tolist())):
-                slot = acc.docs.setdefault((f, row, d), [n, 0.0, 0.0])
-                slot[1] += kk
-                slot[2] += cc
+            acc.pending.append((acc.forwards, row, layer, list(doc_lengths), doc_kept, doc_causal))
 
     def pop_report(self) -> AttentionReport:
         with self._lock:
             acc, self._acc = self._acc, self._new_acc()
+        docs: dict[tuple[int, int, int], list] = {}
+        for forward, row, layer, lengths, kept, causal in acc.pending:
+            kept, causal = _as_list(kept), _as_list(causal)
+            if 0 <= layer < self.num_layers:
+                acc.kept[layer] += sum(kept)
+                acc.causal[layer] += sum(causal)
+            for d, (n, kk, cc) in enumerate(zip(lengths, kept, causal)):
+                slot = docs.setdefault((forward, row, d), [n, 0.0, 0.0])
+                slot[1] += kk
+                slot[2] += cc
         dens = [float(k / c) if c > 0 else None for k, c in zip(acc.kept, acc.causal)]
         rec = [float(s / n) if n > 0 else None for s, n in zip(acc.recall_sum, acc.recall_n)]
-        docs = [(int(n), float(k / c) if c > 0 else 1.0) for (n, k, c) in acc.docs.values()]
-        return AttentionReport(dens, rec, docs, self.budgets, acc.forwards, acc.selection_seconds, self._forced)
+        doc_dens = [(int(n), float(k / c) if c > 0 else 1.0) for (n, k, c) in docs.values()]
+        return AttentionReport(dens, rec, doc_dens, self.budgets, acc.forwards, acc.selection_seconds, self._forced)
+
+
+def _as_list(values) -> list[float]:
+    if isinstance(values, torch.Tensor):
+        return values.detach().double().cpu().tolist()
+    return np.asarray(values, dtype=np.float64).tolist()
+
+
+def _refuse_unsupported(hf_config) -> None:
+    """One line for model features the sparse attention cannot compute exactly (rather than a silent difference)."""
+    configs = [hf_config, getattr(hf_config, "text_config", None)]
+    for cfg in (c for c in configs if c is not None):
+        cap = getattr(cfg, "attn_logit_softcapping", None)
+        if cap is not None:
+            raise ValueError(
+                f"sparsebalance attention has no attention logit softcapping ({cfg.model_type}: attn_logit_softcapping"
+                f"={cap}); use model.attn_implementation eager for this model")
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -18,8 +18,9 @@ def grads(fn, q, k, v, go):
     return (out, *torch.autograd.grad(out, (q, k, v), go))
 
 
-def masked_reference(q, k, v, idx, counts, bs, window=None):
-    """Dense softmax attention with the same block mask (and token-level causality)."""
+def masked_reference(q, k, v, idx, counts, bs, window=None, sinks=None):
+    """Dense softmax attention with the same block mask (and token-level causality); `sinks` [Hq]: one extra
+    logit per head in every softmax denominator, without a value (GPT-OSS's eager attention)."""
     b, hq, length = q.shape[:3]
     hkv = k.shape[1]
     nb = length // bs
@@ -34,7 +35,11 @@ def masked_reference(q, k, v, idx, counts, bs, window=None):
     tm = tm.repeat_interleave(hq // hkv, 1)
     kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     s = (q @ kk.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    return torch.softmax(s.masked_fill(~tm, float("-inf")), -1) @ vv
+    s = s.masked_fill(~tm, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.view(1, hq, 1, 1).expand(b, hq, length, 1).to(s.dtype)], dim=-1)
+        return torch.softmax(s, -1)[..., :-1] @ vv
+    return torch.softmax(s, -1) @ vv
 
 
 def full_selection(length, bs, hkv, batch=1):

@@ -61,22 +61,27 @@ def block_sparse_attention(
     backend: str = "auto",
     chunk_blocks: int = 256,
     plan: Plan | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact block-sparse causal attention.
 
     q: [B, Hq, L, D]; k, v: [B, Hkv, L, D] with Hq a multiple of Hkv and L a multiple of `block_size`.
     block_indices: [B, Hkv, L // block_size, K] kept key-block indices per (batch, kv head, query block);
     the first `block_counts[b, h, i]` entries are valid (all K when `block_counts` is None), and must be
-    distinct and causal (<= i). Returns [B, Hq, L, D]; differentiable in q, k, v.
+    distinct and causal (<= i). `sinks` [Hq] (optional): per-query-head attention-sink logits that join
+    every softmax denominator (GPT-OSS); the torch and flex backends take them, the Triton kernel refuses.
+    Returns [B, Hq, L, D]; differentiable in q, k, v (and the sinks).
     """
     if q.shape[2] % block_size or k.shape[2] % block_size:
         raise ValueError(f"sequence length must be a multiple of block_size={block_size}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     be = resolve_backend(backend, q.device)
     if be == "triton":
+        if sinks is not None:
+            raise ValueError("the triton backend has no attention sinks (GPT-OSS): use sparsity.backend torch or flex")
         return triton_block_sparse_attention(q, k, v, block_indices, block_counts, block_size, scale, window)
     if be == "flex":
-        return flex_block_sparse_attention(q, k, v, block_indices, block_counts, block_size, scale, window)
+        return flex_block_sparse_attention(q, k, v, block_indices, block_counts, block_size, scale, window, sinks)
     if plan is None:
         plan = make_plan(block_indices, block_counts, k.shape[2] // block_size, chunk_blocks)
-    return torch_block_sparse_attention(q, k, v, plan, block_size, scale, window)
+    return torch_block_sparse_attention(q, k, v, plan, block_size, scale, window, sinks)

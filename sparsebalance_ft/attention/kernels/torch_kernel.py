@@ -15,7 +15,13 @@ matrix), and scatters the key/value gradients back with ``index_add_``.
 Two engines compute a chunk: on CPU the fused flash kernel of ATen
 (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, which take an additive mask and
 return the log-sum-exp); elsewhere, or when that op is missing, plain batched matmuls with float32
-accumulation.
+accumulation. A query row that sees no key (a row with no kept block, or a window that hides every kept
+key) gets a zero output and zero gradients on both engines.
+
+Attention sinks (GPT-OSS's learned per-head logit ``s_h``, a virtual key with no value) join each query
+row's softmax denominator: ``O' = O * exp(lse - lse')`` with ``lse' = logaddexp(lse, s_h)``. The usual
+flash backward run with (O', lse') is then exactly the gradient of the sink-augmented softmax for q, k
+and v, and ``dL/ds_h = -sum_rows exp(s_h - lse') * rowsum(dO * O')``.
 """
 from __future__ import annotations
 
@@ -140,9 +146,10 @@ def _fwd_chunk(qc, kg, vg, mask, scale, flash: bool):
     acc = _lse_dtype(qc.dtype)
     s = torch.matmul(qc.to(acc), kg.to(acc).transpose(-1, -2)).mul_(scale).add_(mask.to(acc))
     m = s.amax(-1, keepdim=True)
+    m = m.masked_fill(m == _NEG_INF, 0.0)  # a row that sees no key: exp(-inf - 0) = 0, not nan
     s.sub_(m).exp_()
     l_ = s.sum(-1, keepdim=True)
-    out = torch.matmul(s, vg.to(acc)).div_(l_)
+    out = torch.matmul(s, vg.to(acc)).div_(l_.clamp(min=torch.finfo(acc).tiny))  # 0 / tiny = 0 for such a row
     return out.to(qc.dtype), (m + l_.log()).squeeze(-1)
 
 
@@ -159,6 +166,7 @@ def _bwd_chunk(go, qc, kg, vg, out, lse, mask, scale, flash: bool):
         return gq, gk.sum(1), gv.sum(1)
     acc = _lse_dtype(qc.dtype)
     qf, kf, vf, gof = qc.to(acc), kg.to(acc), vg.to(acc), go.to(acc)
+    lse = lse.masked_fill(lse == _NEG_INF, 0.0)  # rows that saw no key: every p is exp(-inf) = 0
     p = torch.matmul(qf, kf.transpose(-1, -2)).mul_(scale).add_(mask.to(acc)).sub_(lse[..., None]).exp_()
     delta = (gof * out.to(acc)).sum(-1, keepdim=True)
     dv = torch.matmul(p.transpose(-1, -2), gof).sum(1)
@@ -334,9 +342,28 @@ def _split_backward(go, qr, kb, vb, out, lse, plan: Plan, bs: int, scale: float)
     return dq.to(qr.dtype), dk.to(kb.dtype), dv.to(vb.dtype)
 
 
+def _row_sinks(sinks: torch.Tensor, b: int, hkv: int, nq: int, dtype) -> torch.Tensor:
+    """Per-query-head sink logits [Hq] -> [R, G, 1] in the row layout (rows ordered batch, kv head, q block)."""
+    g = sinks.numel() // hkv
+    return sinks.to(dtype).view(1, hkv, 1, g).expand(b, hkv, nq, g).reshape(b * hkv * nq, g, 1)
+
+
+def _add_sinks(out: torch.Tensor, lse: torch.Tensor, sink_rows: torch.Tensor):
+    """Fold each row's sink logit into its softmax: (O * exp(lse - lse'), lse'), lse' = logaddexp(lse, s)."""
+    lse_total = torch.logaddexp(lse, sink_rows)
+    return out * (lse - lse_total).exp().unsqueeze(-1).to(out.dtype), lse_total
+
+
+def _sink_grad(go, out, lse, sink_rows, b: int, hkv: int, nq: int) -> torch.Tensor:
+    """dL/ds_h = -sum over rows of head h of exp(s_h - lse') * rowsum(dO * O') -> [Hq]."""
+    delta = (go.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [R, G, bs]
+    per_row = -((sink_rows - lse).exp() * delta).sum(-1)  # [R, G]
+    return per_row.view(b, hkv, nq, -1).sum((0, 2)).reshape(-1)
+
+
 class BlockSparseAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: Plan, bs: int, scale: float, window: int | None):
+    def forward(ctx, q, k, v, sinks, plan: Plan, bs: int, scale: float, window: int | None):
         b, hq, L, d = q.shape
         hkv = k.shape[1]
         flash = _use_cpu_flash(q)
@@ -346,56 +373,72 @@ class BlockSparseAttentionFn(torch.autograd.Function):
         split = flash and window is None and plan.diag is not None
         if split:
             out, lse = _split_forward(qr, kb, vb, plan, bs, scale)
-            ctx.save_for_backward(qr, kb, vb, out, lse)
-            ctx.meta = (plan, bs, scale, window, b, hkv, tuple(k.shape), flash, split)
-            return _rows_unview(out, b, hkv, bs)
-        out = torch.empty_like(qr)
-        lse = torch.empty(qr.shape[:3], dtype=_lse_dtype(q.dtype), device=q.device)
-        mdtype = q.dtype if flash else _lse_dtype(q.dtype)
-        for rows, kc in plan.chunks:
-            gi = plan.gidx[rows, :kc].reshape(-1)
-            n = rows.numel()
-            kg = kb.index_select(0, gi).view(n, 1, kc * bs, d)
-            vg = vb.index_select(0, gi).view(n, 1, kc * bs, d)
-            mask = _chunk_mask(plan, rows, kc, bs, window, mdtype, q.device)
-            o, l_ = _fwd_chunk(qr.index_select(0, rows), kg, vg, mask, scale, flash)
-            out.index_copy_(0, rows, o)
-            lse.index_copy_(0, rows, l_)
-        ctx.save_for_backward(qr, kb, vb, out, lse)
-        ctx.meta = (plan, bs, scale, window, b, hkv, tuple(k.shape), flash, split)
+        else:
+            out, lse = _masked_forward(qr, kb, vb, plan, bs, scale, window, flash)
+        sink_rows = None
+        if sinks is not None:
+            sink_rows = _row_sinks(sinks, b, hkv, L // bs, lse.dtype)
+            out, lse = _add_sinks(out, lse, sink_rows)
+        ctx.save_for_backward(qr, kb, vb, out, lse, sink_rows)
+        ctx.meta = (plan, bs, scale, window, b, hkv, tuple(k.shape), flash, split, None if sinks is None else sinks.dtype)
         return _rows_unview(out, b, hkv, bs)
 
     @staticmethod
     def backward(ctx, grad_out):
-        qr, kb, vb, out, lse = ctx.saved_tensors
-        plan, bs, scale, window, b, hkv, kshape, flash, split = ctx.meta
-        d = qr.shape[-1]
+        qr, kb, vb, out, lse, sink_rows = ctx.saved_tensors
+        plan, bs, scale, window, b, hkv, kshape, flash, split, sink_dtype = ctx.meta
         go = _rows_view(grad_out.contiguous(), hkv, bs)
         if split:
             dq, dk, dv = _split_backward(go, qr, kb, vb, out, lse, plan, bs, scale)
-            return _rows_unview(dq, b, hkv, bs), dk.reshape(kshape), dv.reshape(kshape), None, None, None, None
-        dq = torch.zeros_like(qr)
-        acc = torch.float32 if kb.dtype in (torch.float16, torch.bfloat16) else kb.dtype
-        dk = torch.zeros(kb.shape, dtype=acc, device=kb.device)
-        dv = torch.zeros(vb.shape, dtype=acc, device=vb.device)
-        mdtype = qr.dtype if flash else _lse_dtype(qr.dtype)
-        lse_in = lse
-        for rows, kc in plan.chunks:
-            gi = plan.gidx[rows, :kc].reshape(-1)
-            n = rows.numel()
-            kg = kb.index_select(0, gi).view(n, 1, kc * bs, d)
-            vg = vb.index_select(0, gi).view(n, 1, kc * bs, d)
-            mask = _chunk_mask(plan, rows, kc, bs, window, mdtype, qr.device)
-            gq, gk, gv = _bwd_chunk(go.index_select(0, rows), qr.index_select(0, rows), kg, vg,
-                                    out.index_select(0, rows), lse_in.index_select(0, rows), mask, scale, flash)
-            dq.index_copy_(0, rows, gq.to(dq.dtype))
-            dk.index_add_(0, gi, gk.reshape(n * kc, bs, d).to(acc))
-            dv.index_add_(0, gi, gv.reshape(n * kc, bs, d).to(acc))
-        dq = _rows_unview(dq, b, hkv, bs)
-        dk = dk.to(kb.dtype).reshape(kshape)
-        dv = dv.to(vb.dtype).reshape(kshape)
-        return dq, dk, dv, None, None, None, None
+        else:
+            dq, dk, dv = _masked_backward(go, qr, kb, vb, out, lse, plan, bs, scale, window, flash)
+        dsinks = None
+        if sink_rows is not None:
+            dsinks = _sink_grad(go, out, lse, sink_rows, b, hkv, kshape[2] // bs).to(sink_dtype)
+        return (_rows_unview(dq, b, hkv, bs), dk.reshape(kshape), dv.reshape(kshape), dsinks,
+                None, None, None, None)
 
 
-def torch_block_sparse_attention(q, k, v, plan: Plan, block_size: int, scale: float, window: int | None = None):
-    return BlockSparseAttentionFn.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, block_size, scale, window)
+def _masked_forward(qr, kb, vb, plan: Plan, bs: int, scale: float, window: int | None, flash: bool):
+    """Every chunk of rows over its gathered kept blocks, with the chunk's additive causal/window mask."""
+    d = qr.shape[-1]
+    out = torch.empty_like(qr)
+    lse = torch.empty(qr.shape[:3], dtype=_lse_dtype(qr.dtype), device=qr.device)
+    mdtype = qr.dtype if flash else _lse_dtype(qr.dtype)
+    for rows, kc in plan.chunks:
+        gi = plan.gidx[rows, :kc].reshape(-1)
+        n = rows.numel()
+        kg = kb.index_select(0, gi).view(n, 1, kc * bs, d)
+        vg = vb.index_select(0, gi).view(n, 1, kc * bs, d)
+        mask = _chunk_mask(plan, rows, kc, bs, window, mdtype, qr.device)
+        o, l_ = _fwd_chunk(qr.index_select(0, rows), kg, vg, mask, scale, flash)
+        out.index_copy_(0, rows, o)
+        lse.index_copy_(0, rows, l_)
+    return out, lse
+
+
+def _masked_backward(go, qr, kb, vb, out, lse, plan: Plan, bs: int, scale: float, window: int | None, flash: bool):
+    d = qr.shape[-1]
+    dq = torch.zeros_like(qr)
+    acc = torch.float32 if kb.dtype in (torch.float16, torch.bfloat16) else kb.dtype
+    dk = torch.zeros(kb.shape, dtype=acc, device=kb.device)
+    dv = torch.zeros(vb.shape, dtype=acc, device=vb.device)
+    mdtype = qr.dtype if flash else _lse_dtype(qr.dtype)
+    for rows, kc in plan.chunks:
+        gi = plan.gidx[rows, :kc].reshape(-1)
+        n = rows.numel()
+        kg = kb.index_select(0, gi).view(n, 1, kc * bs, d)
+        vg = vb.index_select(0, gi).view(n, 1, kc * bs, d)
+        mask = _chunk_mask(plan, rows, kc, bs, window, mdtype, qr.device)
+        gq, gk, gv = _bwd_chunk(go.index_select(0, rows), qr.index_select(0, rows), kg, vg,
+                                out.index_select(0, rows), lse.index_select(0, rows), mask, scale, flash)
+        dq.index_copy_(0, rows, gq.to(dq.dtype))
+        dk.index_add_(0, gi, gk.reshape(n * kc, bs, d).to(acc))
+        dv.index_add_(0, gi, gv.reshape(n * kc, bs, d).to(acc))
+    return dq, dk.to(kb.dtype), dv.to(vb.dtype)
+
+
+def torch_block_sparse_attention(q, k, v, plan: Plan, block_size: int, scale: float, window: int | None = None,
+                                 sinks: torch.Tensor | None = None):
+    return BlockSparseAttentionFn.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, plan, block_size,
+                                        scale, window)
