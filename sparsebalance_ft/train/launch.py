@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -28,7 +29,8 @@ LAUNCHER_PID = "SBFT_LAUNCHER_PID"  # set by `launch_ranks` for its ranks: they 
 INTERRUPTED = 130  # the shell's status for Ctrl-C
 
 # What a rank's failure was, most telling first: the launcher reports the earliest of the best kind.
-_PRIORITY = {"user": 0, "error": 0, "interrupt": 1, "signal": 2, "timeout": 3, "peer": 4}
+# SIGTERM is how the launcher stops the ranks that are left, so it tells least.
+_PRIORITY = {"user": 0, "error": 0, "interrupt": 1, "signal": 2, "timeout": 2, "peer": 3, "stopped": 4}
 _PEER_LOST = ("connection closed", "connection reset", "broken pipe", "econnreset", "socket closed", "peer")
 
 
@@ -73,11 +75,12 @@ def _classify(error: BaseException) -> tuple[str, str, int]:
         return "user", str(error), 2
     if isinstance(error, KeyboardInterrupt):
         return "interrupt", "interrupted", INTERRUPTED
-    text = (str(error).splitlines() or [""])[0]
+    raw = (str(error).splitlines() or [""])[0]
+    text = re.sub(r"^\[[^\]]*\]\s*", "", raw)  # drop gloo's source location
     lowered = text.lower()
-    collective = type(error).__module__.startswith("torch") or "gloo" in lowered or "nccl" in lowered
+    collective = type(error).__module__.startswith("torch") or "gloo" in raw.lower() or "nccl" in raw.lower()
     if collective and ("timed out" in lowered or "timeout" in lowered):
-        return "timeout", f"a collective timed out (training.collective_timeout): another rank stopped responding ({text})", 1
+        return "timeout", f"another rank stopped responding: {text} (training.collective_timeout)", 1
     if collective and any(word in lowered for word in _PEER_LOST):
         return "peer", f"lost contact with another rank ({text})", 1
     return "error", f"{type(error).__name__}: {text}", 1
@@ -134,7 +137,12 @@ def _root_cause(failures: dict) -> tuple[int, object]:
     def key(item):
         rank, failure = item
         sbft = failure.error_file_data.get("sbft") if isinstance(failure.error_file_data, dict) else None
-        kind = sbft["kind"] if sbft else ("signal" if failure.exitcode < 0 else "error")
+        if sbft:
+            kind = sbft["kind"]
+        elif failure.exitcode < 0:
+            kind = "stopped" if -failure.exitcode == signal.SIGTERM else "signal"
+        else:
+            kind = "error"
         when = sbft["time"] if sbft else failure.timestamp
         return (_PRIORITY.get(kind, 0), when, rank)
 
@@ -144,7 +152,8 @@ def _root_cause(failures: dict) -> tuple[int, object]:
 @contextmanager
 def _quiet_launcher():
     """The elastic agent's own logging (closing signals, failure tables) is noise next to our one line."""
-    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")]
+    names = [name for name in logging.root.manager.loggerDict if name.startswith("torch.distributed")]
+    loggers = [logging.getLogger(name) for name in names]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL + 1)
