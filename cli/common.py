@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -21,6 +22,14 @@ def _width(stream) -> int | None:
 
 console = Console(width=_width(sys.stdout))
 err_console = Console(stderr=True, width=_width(sys.stderr))
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning is a line for the user, not the source line that raised it."""
+    return f"warning: {message}\n"
+
+
+warnings.formatwarning = _one_line_warning
 
 F = TypeVar("F", bound=Callable)
 
