@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from _sbft import error_lines, run_sbft
 
 from sparsebalance_ft.train.checkpoint import checkpoint_dirs
@@ -49,11 +50,11 @@ SPARSE_PER_LAYER = {
 @pytest.mark.slow
 def test_per_rank_balancer_state_survives_resume_on_two_ranks(write_recipe, tmp_path):
     def recipe(out: str):
-        return write_recipe(**SPARSE_PER_LAYER, training={"max_steps": 6, "checkpoint_every": 3, "output_dir": str(tmp_path / out)})
+        return write_recipe(**SPARSE_PER_LAYER, training={"max_steps": 6, "checkpoint_every": 2, "output_dir": str(tmp_path / out)})
 
     assert run_sbft("train", recipe("a"), "--nproc", 2).returncode == 0
-    failed = run_sbft("train", recipe("b"), "--nproc", 2, env={"SBFT_FAIL_AT": "1:4"})
-    assert failed.returncode == 1 and "injected failure on rank 1 at step 4" in failed.stderr
+    failed = run_sbft("train", recipe("b"), "--nproc", 2, env={"SBFT_FAIL_AT": "1:3"})
+    assert failed.returncode == 1 and "injected failure on rank 1 at step 3" in failed.stderr
     resumed = run_sbft("train", recipe("b"), "--nproc", 2, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
@@ -62,3 +63,13 @@ def test_per_rank_balancer_state_survives_resume_on_two_ranks(write_recipe, tmp_
     for mine, theirs in zip(got, expected):
         assert [r["budget"] for r in mine["ranks"]] == pytest.approx([r["budget"] for r in theirs["ranks"]], rel=1e-9)
         assert [r["predicted_time"] for r in mine["ranks"]] == pytest.approx([r["predicted_time"] for r in theirs["ranks"]], rel=1e-9)
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6)
+    # Each rank's own layer sensitivity (running mean of 1 - recall) steers its per-layer budgets: after
+    # the resume every rank must hold what it would hold had the run never stopped.
+    final = {
+        out: [torch.load(tmp_path / out / "checkpoint-6" / f"rank_state_{r}.pt", weights_only=False)["balancer"] for r in (0, 1)]
+        for out in ("a", "b")
+    }
+    assert final["a"][0]["sensitivity"] != final["a"][1]["sensitivity"]  # the ranks' states do differ
+    for rank in (0, 1):
+        assert final["b"][rank]["sensitivity"] == pytest.approx(final["a"][rank]["sensitivity"], rel=1e-6)
