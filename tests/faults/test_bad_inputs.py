@@ -96,3 +96,14 @@ def test_a_malformed_data_line(write_recipe, tmp_path, jsonl_corpus, nproc):
     assert f"{data}:2: not valid JSON" in line
     if nproc == 2:
         assert line.startswith("error: rank 0 failed (exit code 2):") and line.endswith("all ranks were stopped")
+
+
+@pytest.mark.parametrize("nproc", RANKS)
+def test_a_second_run_on_a_dir_in_use(write_recipe, tmp_path, nproc):
+    import os
+    import socket
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".sbft.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    line = one_error_line(run_sbft("train", write_recipe(), "--resume", "--nproc", nproc))
+    assert f"is in use by another sbft train (pid {os.getpid()} on {socket.gethostname()})" in line

@@ -69,3 +69,12 @@ def test_a_hung_rank_fails_the_others_at_the_collective_timeout(write_recipe, tm
     assert "(training.collective_timeout)" in line and f"traceback in {log}" in line
     assert proc.returncode == 1
     assert "Traceback" in log.read_text()
+
+
+def test_ctrl_c_of_one_process_is_one_line_and_130(write_recipe, tmp_path):
+    proc = start_sbft("train", write_recipe(training={"max_steps": 500}))
+    wait_for_steps(tmp_path / "run" / "metrics.jsonl", 1, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert _verdict(proc) == "interrupted (Ctrl-C)"
+    assert proc.returncode == 130
+    assert not (tmp_path / "run" / ".sbft.lock").exists()  # the next --resume is not refused
