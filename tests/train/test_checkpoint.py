@@ -44,8 +44,12 @@ def test_a_truncated_file_is_named_and_the_newest_intact_checkpoint_used(tmp_pat
     rng = newest / "random_states_0.pkl"
     rng.write_bytes(rng.read_bytes()[:50])
     assert checkpoint_problem(newest) == f"{rng} is truncated (50 of 200 bytes)"
-    with pytest.warns(UserWarning, match=f"skipping a damaged checkpoint: {rng} is truncated"):
+    with pytest.warns(UserWarning) as caught:
         assert choose_checkpoint(tmp_path).name == "checkpoint-2"
+    assert [str(w.message) for w in caught] == [
+        f"skipping a damaged checkpoint: {rng} is truncated (50 of 200 bytes)",
+        "resuming from checkpoint-2, the newest intact checkpoint",
+    ]
     with pytest.raises(CheckpointError, match=f"--resume: {rng} is truncated"):
         choose_checkpoint(tmp_path, newest)  # a checkpoint the user chose is never swapped silently
     (tmp_path / "checkpoint-2" / "optimizer.bin").unlink()
