@@ -22,7 +22,25 @@ for command in (init_tiny, synth, train, export, profile, simulate, bench, eval,
     command.register(app)
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"sbft {version('sparsebalance-ft')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: bool = typer.Option(False, "--version", is_eager=True, callback=_show_version, help="Print the version and exit."),
+) -> None:
+    """Long-context LoRA fine-tuning with load-balanced dynamic sparse attention (SparseBalance)."""
+
+
 def main() -> None:
+    import sys
+
+    sys.argv[1:] = train.optional_resume_value(sys.argv[1:])
     app()
 
 

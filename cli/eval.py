@@ -1,12 +1,13 @@
 """`sbft eval RECIPE --task passkey|kv|needle|longbench`: long-context evaluation of a trained model."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
-from .common import console, run_on_ranks, user_errors
+from .common import as_rank, console, refuse_single_process_of_many, run_on_ranks, user_errors
 from .synth import parse_depths, parse_numbers
 
 
@@ -47,6 +48,7 @@ def register(app: typer.Typer) -> None:
         from sparsebalance_ft.recipe import load_recipe
         from sparsebalance_ft.train.launch import inside_launcher
 
+        refuse_single_process_of_many()
         recipe = load_recipe(recipe_path, overrides or [], check_paths=False)
         from sparsebalance_ft.eval.api import TASKS
 
@@ -78,7 +80,8 @@ def register(app: typer.Typer) -> None:
         from sparsebalance_ft.eval.distributed import distributed_session
 
         out_dir = out or Path(recipe.training.output_dir) / "eval"
-        with distributed_session() as rank:
+        # as one rank of a group, a failure is a log file and the launcher's one line
+        with as_rank(out_dir / "logs") if inside_launcher() else nullcontext(), distributed_session() as rank:
             result = evaluate(
                 recipe,
                 task,

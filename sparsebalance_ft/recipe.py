@@ -114,6 +114,9 @@ class TrainingConfig(_Section):
     eval_every: int | None = Field(
         None, ge=1, description="Steps between validation losses (with data.eval_path or eval_split); also after the last step."
     )
+    collective_timeout: int = Field(
+        1800, ge=1, description="Seconds a rank waits in a collective for the others before the run fails (a hung rank)."
+    )
 
     @field_validator("report_to", mode="before")
     @classmethod
@@ -228,6 +231,8 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, check_path
         where = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         raise RecipeError(f"{path}{where}: not valid YAML: {problem}") from None
+    if data is not None and not isinstance(data, dict):
+        raise RecipeError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
     data = apply_overrides(data if data is not None else {}, overrides or [])
     recipe = recipe_from_dict(data, str(path))
     if check_paths:

@@ -92,7 +92,7 @@ def summarise_run(run_dir: Path) -> dict:
 
 def run_configuration(recipe: Path, name: str, out_dir: Path, nproc: int, overrides: list[str]) -> dict:
     run_dir = out_dir / name
-    argv = [sys.executable, "-m", "sbft_cli.app", "train", str(recipe), "--nproc", str(nproc)]
+    argv = [sys.executable, "-m", "sbft_cli.app", "train", str(recipe), "--nproc", str(nproc), "--overwrite"]
     for item in [*overrides, *CONFIGURATIONS[name], f"training.output_dir={run_dir}"]:
         argv += ["--set", item]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

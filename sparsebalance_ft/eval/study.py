@@ -144,18 +144,18 @@ def launch_trainer(nproc: int = 2) -> Trainer:
 
     def trainer(recipe: Recipe) -> dict[str, Any]:
         out = Path(recipe.training.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / "study_recipe.yaml"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        path = out.with_name(f"{out.name}.study_recipe.yaml")  # beside the run: train refuses a non-empty output dir
         dump_recipe(recipe, path)
         started = time.perf_counter()
         if nproc > 1:
             from ..train.launch import launch_ranks
 
-            launch_ranks(nproc, ["train", str(path)])
+            launch_ranks(nproc, ["train", str(path), "--overwrite"])
         else:
             from ..train.loop import train
 
-            train(recipe)
+            train(recipe, overwrite=True)
         return {"adapter_dir": str(out / "adapter"), "wall_time": time.perf_counter() - started}
 
     return trainer

@@ -1,14 +1,21 @@
-"""Atomic, pruned checkpoints on top of accelerate's `save_state`.
+"""Atomic, verified, pruned checkpoints on top of accelerate's `save_state`.
 
-Every rank writes into `checkpoint-N.tmp` (accelerate stores each rank's RNG state there);
-after a barrier the main process adds the LoRA adapter and a completion marker and renames the
-folder to `checkpoint-N`. A crash mid-write therefore leaves only a `.tmp` folder, which
-`latest_checkpoint` ignores, never a checkpoint that loads wrong.
+Every rank writes into `checkpoint-N.tmp` (accelerate stores each rank's RNG state there, and
+each rank adds its own `rank_state_R.pt`: balancer and sampler state differ per rank); after a
+barrier the main process adds the trainable weights and a completion marker listing every
+file's size, and renames the folder to `checkpoint-N`. A crash mid-write therefore leaves only a
+`.tmp` folder, which is ignored; a file truncated later is found by its size before anything
+loads, and resuming falls back to the newest intact checkpoint.
+
+Checkpoints assume a filesystem that every rank shares (rank 0 writes the marker after every
+rank has written its files into the same folder).
 """
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -20,16 +27,31 @@ ADAPTER_WEIGHTS = "trainable_weights.pt"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
+class CheckpointError(UserError):
+    """A checkpoint that cannot be resumed: truncated, missing, or not visible from a rank."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """Saved trainable weights that the recipe's model does not have (different LoRA settings?)."""
+
+
+def rank_state_file(rank: int) -> str:
+    return f"rank_state_{rank}.pt"
+
+
+def checkpoint_step(path: Path) -> int:
+    match = _NAME.match(path.name)
+    if not match:
+        raise CheckpointError(f"{path}: not a checkpoint folder (expected checkpoint-N)")
+    return int(match.group(1))
+
+
 def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints, oldest first by step number (checkpoint-10 after checkpoint-9)."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = []
-    for path in root.iterdir():
-        match = _NAME.match(path.name)
-        if match and (path / COMPLETE_MARKER).is_file():
-            found.append((int(match.group(1)), path))
+    found = [(checkpoint_step(p), p) for p in root.iterdir() if _NAME.match(p.name) and (p / COMPLETE_MARKER).is_file()]
     return [path for _, path in sorted(found)]
 
 
@@ -38,51 +60,137 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+def _manifest(path: Path) -> dict[str, int]:
+    return {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file() and f.name != COMPLETE_MARKER}
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """The first missing or truncated file of a checkpoint, as a phrase; None when it is intact.
+
+    Markers written before sizes were recorded hold only the step number: nothing to compare, so intact."""
+    try:
+        marker = json.loads((path / COMPLETE_MARKER).read_text())
+    except FileNotFoundError:
+        return f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)"
+    except ValueError:
+        return f"{path / COMPLETE_MARKER} is damaged"
+    if not isinstance(marker, dict):
+        return None
+    for name, size in marker.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        actual = file.stat().st_size
+        if actual != size:
+            return f"{file} is truncated ({actual} of {size} bytes)"
+    return None
+
+
+def choose_checkpoint(output_dir: str | Path, requested: str | Path | None = None) -> Path | None:
+    """The checkpoint to resume: `requested` if intact, else the newest intact one in `output_dir`.
+
+    A damaged newest checkpoint is skipped with a warning naming its bad file; a damaged requested
+    one, or no intact one at all, is a `CheckpointError` (one line)."""
+    if requested is not None:
+        path = Path(requested)
+        if not path.is_dir():
+            raise CheckpointError(f"--resume: checkpoint not found: {path}")
+        problem = checkpoint_problem(path)
+        if problem:
+            raise CheckpointError(f"--resume: {problem}")
+        return path
+    candidates = checkpoint_dirs(output_dir)
+    for newer, path in enumerate(reversed(candidates)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if newer:
+                warnings.warn(f"resuming from {path.name}, the newest intact checkpoint", stacklevel=2)
+            return path
+        warnings.warn(f"skipping a damaged checkpoint: {problem}", stacklevel=2)
+    if candidates:
+        raise CheckpointError(f"--resume: no intact checkpoint in {output_dir}: {checkpoint_problem(candidates[-1])}")
+    return None
+
+
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Only the parameters that train (LoRA and modules_to_save): a checkpoint of an 8B model stays small."""
+    """Only what trains: peft's adapter state (LoRA and modules_to_save) keeps a checkpoint of an 8B
+    model small. Without LoRA (full fine-tuning) peft has no say, so it is every trainable parameter."""
+    from peft import PeftModel, get_peft_model_state_dict
+
+    if isinstance(model, PeftModel):
+        return {name: t.detach().cpu().clone() for name, t in get_peft_model_state_dict(model).items()}
     return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def save_checkpoint(accelerator, model: torch.nn.Module, output_dir: str | Path, step: int, keep: int) -> Path:
+def restore_trainable(model: torch.nn.Module, path: Path) -> None:
+    """Load weights saved by `trainable_state` back into `model`, refusing names it lacks."""
+    from peft import PeftModel, set_peft_model_state_dict
+
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(model, PeftModel):
+        unexpected = set_peft_model_state_dict(model, saved).unexpected_keys
+    else:
+        unexpected = [name for name in saved if name not in dict(model.named_parameters())]
+        if not unexpected:
+            model.load_state_dict(saved, strict=False)
+    if unexpected:
+        raise CheckpointMismatchError(
+            f"{path}: holds weights the recipe's model lacks (e.g. {unexpected[0]}); check the lora settings"
+        )
+
+
+def _prune(output_dir: str | Path, step: int, keep: int) -> None:
+    """Keep the `keep` newest checkpoints up to `step`; never one of a later step (it is not this run's to delete)."""
+    mine = [path for path in checkpoint_dirs(output_dir) if checkpoint_step(path) <= step]
+    for old in mine[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(
+    accelerator, model: torch.nn.Module, output_dir: str | Path, step: int, keep: int, rank_state: dict | None = None
+) -> Path:
     final = Path(output_dir) / f"checkpoint-{step}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
-    if accelerator.is_main_process:
-        torch.save(trainable_state(model), tmp / ADAPTER_WEIGHTS)
-        (tmp / COMPLETE_MARKER).write_text(f"{step}\n")
+    tmp.mkdir(parents=True, exist_ok=True)
+    torch.save(rank_state or {}, tmp / rank_state_file(accelerator.process_index))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        torch.save(trainable_state(model), tmp / ADAPTER_WEIGHTS)
+        (tmp / COMPLETE_MARKER).write_text(json.dumps({"step": step, "files": _manifest(tmp)}, indent=1) + "\n")
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        for old in checkpoint_dirs(output_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune(output_dir, step, keep)
     accelerator.wait_for_everyone()
     return final
 
 
-class CheckpointMismatchError(UserError):
-    """Saved trainable weights that the recipe's model does not have (different LoRA settings?)."""
-
-
-def restore_trainable(model: torch.nn.Module, path: Path) -> None:
-    """Copy weights saved by `trainable_state` back into `model`, refusing names it lacks."""
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    params = dict(model.named_parameters())
-    missing = [name for name in saved if name not in params]
-    if missing:
-        raise CheckpointMismatchError(
-            f"{path}: holds weights the recipe's model lacks (e.g. {missing[0]}); check the lora settings"
+def _require_visible(path: Path, rank: int) -> None:
+    if not (path / COMPLETE_MARKER).is_file():
+        raise CheckpointError(
+            f"rank {rank} cannot see {path}: checkpoints need a filesystem that every rank shares"
         )
-    with torch.no_grad():
-        for name, value in saved.items():
-            params[name].copy_(value)
 
 
-def load_checkpoint(accelerator, model: torch.nn.Module, path: Path) -> None:
-    """Restore optimizer, scheduler, RNG and registered objects, then the trainable weights."""
-    accelerator.load_state(str(path))
-    restore_trainable(model, path / ADAPTER_WEIGHTS)
+def load_checkpoint(accelerator, model: torch.nn.Module, path: Path) -> dict:
+    """Restore optimizer, scheduler, RNG and registered objects, then the trainable weights; returns
+    this rank's own state (its file, or rank 0's when the run had fewer ranks before)."""
+    rank = accelerator.process_index
+    _require_visible(path, rank)
+    own = path / rank_state_file(rank)
+    if not own.is_file():
+        warnings.warn(f"{own.name} missing (the run had fewer ranks): this rank starts from rank 0's state", stacklevel=2)
+        own = path / rank_state_file(0)
+    try:
+        accelerator.load_state(str(path))
+        restore_trainable(model, path / ADAPTER_WEIGHTS)
+        return torch.load(own, map_location="cpu", weights_only=False) if own.is_file() else {}
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as error:
+        if isinstance(error, UserError):
+            raise
+        first = (str(error).splitlines() or [type(error).__name__])[0]
+        raise CheckpointError(f"{path}: cannot be loaded ({type(error).__name__}: {first})") from None

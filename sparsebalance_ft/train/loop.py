@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -19,9 +20,10 @@ import torch.distributed as dist
 from ..data import load_corpus, pack_documents
 from ..recipe import Recipe, dump_recipe
 from .balancing import build_balancing
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import choose_checkpoint, load_checkpoint, save_checkpoint
 from .metrics import MetricsWriter, RankRecord, gather_records, step_metrics
-from .model import load_model, load_tokenizer, resolve_mixed_precision
+from .model import check_model_dir, load_model, load_tokenizer, resolve_mixed_precision
+from .output_dir import RunLock, check_output_dir, clear_output_dir
 from .optim import build_optimizer, build_scheduler
 from .progress import StepProgress
 from .step import run_local_step
@@ -31,24 +33,23 @@ from .validation import build_validation
 
 @dataclass
 class TrainState:
-    """Counters and component states restored on `--resume` (registered with accelerate's checkpointing)."""
+    """Counters restored on `--resume` (registered with accelerate's checkpointing, so saved by rank 0:
+    they are equal on every rank; per-rank balancer state goes to each rank's own file)."""
 
     step: int = 0
     epoch: int = 0
     step_in_epoch: int = 0
-    components: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "components": self.components}
+        return {"step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.epoch, self.step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
-        self.components = state.get("components", {})
 
 
 def make_accelerator(recipe: Recipe):
     from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     out = recipe.training.output_dir
     return Accelerator(
@@ -56,7 +57,29 @@ def make_accelerator(recipe: Recipe):
         mixed_precision=resolve_mixed_precision(recipe.training.mixed_precision),
         log_with=tracker_names(recipe.training) or None,
         project_config=ProjectConfiguration(project_dir=out, logging_dir=str(Path(out) / "tensorboard")),
+        # A rank that stops answering fails the others' next collective after this long, instead of never.
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.training.collective_timeout))],
     )
+
+
+def preflight(recipe: Recipe, resume: bool | str | Path = False, overwrite: bool = False) -> None:
+    """Every check that needs no process group: precision, model folder, output folder (one line each)."""
+    resolve_mixed_precision(recipe.training.mixed_precision)
+    check_model_dir(recipe)
+    check_output_dir(recipe.training.output_dir, bool(resume), overwrite)
+
+
+def _resume_checkpoint(accelerator, out: Path, resume: bool | str | Path):
+    """Rank 0 picks the checkpoint (warning about damaged ones it skips); every rank gets its path."""
+    from accelerate.utils import broadcast_object_list
+
+    chosen = [None]
+    if accelerator.is_main_process:
+        path = choose_checkpoint(out, None if resume is True else resume)
+        chosen = [None if path is None else str(path)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(chosen, from_process=0)
+    return None if chosen[0] is None else Path(chosen[0])
 
 
 def _broadcast_trainable(params: list[torch.nn.Parameter]) -> None:
@@ -89,17 +112,35 @@ def _tracker_config(recipe: Recipe) -> dict:
     return flat
 
 
-def train(recipe: Recipe, resume: bool = False, console=None) -> dict:
-    """Run the recipe; returns a summary (steps, final loss, wall time, output paths)."""
+def train(recipe: Recipe, resume: bool | str | Path = False, console=None, overwrite: bool = False) -> dict:
+    """Run the recipe; returns a summary (steps, final loss, wall time, output paths).
+
+    `resume` is True (the newest intact checkpoint of the output dir) or a checkpoint folder; a fresh
+    run refuses a non-empty output dir unless `overwrite`, which clears it first. Rank 0 holds the
+    output dir's lock for the whole run."""
+    preflight(recipe, resume, overwrite)  # every rank, before any rank writes
+    accelerator = make_accelerator(recipe)
+    out = Path(recipe.training.output_dir)
+    accelerator.wait_for_everyone()
+    lock = RunLock(out)
+    if accelerator.is_main_process:
+        lock.acquire()
+    try:
+        return _train(recipe, accelerator, resume, overwrite, console)
+    finally:
+        lock.release()
+
+
+def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bool, console) -> dict:
     from accelerate.utils import set_seed
     from rich.console import Console
 
     console = console or Console(stderr=True)
-    accelerator = make_accelerator(recipe)
     rank, world = accelerator.process_index, accelerator.num_processes
     out = Path(recipe.training.output_dir)
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
+        if overwrite and not resume:
+            clear_output_dir(out)
         dump_recipe(recipe, out / "recipe.yaml")
     set_seed(recipe.training.seed)
 
@@ -131,14 +172,15 @@ def train(recipe: Recipe, resume: bool = False, console=None) -> dict:
     accelerator.register_for_checkpointing(state)
 
     if resume:
-        checkpoint = latest_checkpoint(out)
+        checkpoint = _resume_checkpoint(accelerator, out, resume)
         if checkpoint is None:
-            console.print(f"resume: no checkpoint in {out}, starting from scratch")
+            if accelerator.is_main_process:
+                console.print(f"resume: no checkpoint in {out}, starting from scratch")
         else:
-            load_checkpoint(accelerator, model, checkpoint)
-            balancing.load_state_dict(state.components)
+            balancing.load_state_dict(load_checkpoint(accelerator, model, checkpoint))
             if accelerator.is_main_process:
                 console.print(f"resumed from {checkpoint} at step {state.step}")
+    finished_before = bool(resume) and state.step >= total_steps
     writer = MetricsWriter(accelerator, out, resume_step=state.step)
     accelerator.init_trackers("sbft", config=_tracker_config(recipe))  # no-op with report_to: none
 
@@ -191,11 +233,12 @@ def train(recipe: Recipe, resume: bool = False, console=None) -> dict:
 
             every = recipe.training.checkpoint_every
             if every and (state.step % every == 0 or state.step == total_steps):
-                state.components = balancing.state_dict()
-                save_checkpoint(accelerator, model, out, state.step, recipe.training.keep_checkpoints)
+                save_checkpoint(
+                    accelerator, model, out, state.step, recipe.training.keep_checkpoints, rank_state=balancing.state_dict()
+                )
 
     adapter_dir = out / "adapter"
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and not (finished_before and adapter_dir.is_dir()):
         accelerator.unwrap_model(model).save_pretrained(adapter_dir)
         tokenizer.save_pretrained(adapter_dir)
     accelerator.wait_for_everyone()
@@ -207,5 +250,7 @@ def train(recipe: Recipe, resume: bool = False, console=None) -> dict:
         "output_dir": str(out),
         "adapter_dir": str(adapter_dir),
         "world_size": world,
+        "finished_before": finished_before,
+        "total_steps": total_steps,
     }
 

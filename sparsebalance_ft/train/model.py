@@ -22,9 +22,35 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def resolve_mixed_precision(name: str) -> str:
+    """`auto` is bf16 where a GPU computes it natively, none on CPU; fp16 autocast needs a GPU (CPU ignores it)."""
     if name == "auto":
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    if name == "fp16" and not torch.cuda.is_available():
+        raise ModelLoadError("training.mixed_precision: fp16 needs a CUDA GPU; on CPU use bf16 or no")
     return name
+
+
+_WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def check_model_dir(recipe: Recipe) -> None:
+    """One line naming model.path when its folder is no loadable checkpoint (no config, no weights),
+    and when data.max_seq_len exceeds the positions the model was trained for without rope scaling."""
+    path = Path(recipe.model.path)
+    _require_checkpoint(path, "model.path")
+    if not any(any(path.glob(pattern)) for pattern in _WEIGHT_FILES):
+        raise ModelLoadError(f"model.path: no weights in {path} (expected model.safetensors or pytorch_model.bin)")
+    config = json.loads((path / "config.json").read_text())
+    positions = config.get("max_position_embeddings")
+    if positions and recipe.data.max_seq_len > positions:
+        rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+        scaled = rope.get("rope_type", rope.get("type", "default")) not in (None, "default")
+        where = f"data.max_seq_len ({recipe.data.max_seq_len}) is above model.path's max_position_embeddings ({positions})"
+        if not scaled:
+            raise ModelLoadError(f"{where}; lower it, or configure rope scaling in {path / 'config.json'}")
+        import warnings
+
+        warnings.warn(f"{where}; relying on its rope scaling ({rope.get('rope_type', rope.get('type'))})", stacklevel=2)
 
 
 def _require_checkpoint(path: Path, key: str) -> None:
@@ -39,11 +65,11 @@ def _require_checkpoint(path: Path, key: str) -> None:
 def load_tokenizer(recipe: Recipe):
     from transformers import AutoTokenizer
 
-    path = recipe.data.tokenizer or recipe.model.path
+    key, path = ("data.tokenizer", recipe.data.tokenizer) if recipe.data.tokenizer else ("model.path", recipe.model.path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as error:
-        raise ModelLoadError(f"data.tokenizer: cannot load a tokenizer from {path}: {str(error).splitlines()[0]}") from None
+        raise ModelLoadError(f"{key}: cannot load a tokenizer from {path}: {str(error).splitlines()[0]}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -1,0 +1,46 @@
+"""One run per output directory: refusal, overwrite, and a lock that a killed run does not leave stuck."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from sparsebalance_ft.train.output_dir import LOCK_NAME, OutputDirError, RunLock, check_output_dir, clear_output_dir
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_used_directory_needs_resume_or_overwrite(tmp_path):
+    (tmp_path / "checkpoint-30").mkdir()
+    with pytest.raises(OutputDirError, match="already holds a run"):
+        check_output_dir(tmp_path, resume=False, overwrite=False)
+    check_output_dir(tmp_path, resume=True, overwrite=False)
+    check_output_dir(tmp_path, resume=False, overwrite=True)
+    clear_output_dir(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_live_lock_refuses_a_second_run(tmp_path):
+    with RunLock(tmp_path):
+        with pytest.raises(OutputDirError, match=f"in use by another sbft train \\(pid \\d+ on {socket.gethostname()}\\)"):
+            check_output_dir(tmp_path, resume=True, overwrite=False)
+        with pytest.raises(OutputDirError, match="in use"):
+            RunLock(tmp_path).acquire()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_stale_lock_of_a_killed_run_is_taken_over(tmp_path):
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname()}))
+    check_output_dir(tmp_path, resume=True, overwrite=False)
+    with pytest.warns(UserWarning, match="stale lock"):
+        lock = RunLock(tmp_path)
+        lock.acquire()
+    assert lock.held
+    lock.release()
