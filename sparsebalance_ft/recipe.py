@@ -89,6 +89,9 @@ class TrainingConfig(_Section):
     checkpoint_every: int | None = Field(None, ge=1, description="Steps between checkpoints; none disables them.")
     keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept; older ones are deleted.")
     tensorboard: bool = Field(True, description="Also log scalars to TensorBoard under OUTPUT_DIR/tensorboard.")
+    loss: Literal["auto", "full", "chunked", "fused"] = Field(
+        "auto", description="Next-token loss: full logits, chunked through the LM head, or fused (liger-kernel, CUDA); auto is fused where available, else chunked."
+    )
 
 
 class Recipe(_Section):

@@ -153,7 +153,7 @@ def train(recipe: Recipe, resume: bool = False, console=None) -> dict:
             decision = balancing.before_step(mine)
             batches = [pack_micro_batch([corpus[i] for i in mb]) for mb in mine if mb]
             global_targets = int(sum(corpus.lengths[i] - 1 for ranks in plan.micro_batches for mb in ranks for i in mb))
-            local = run_local_step(accelerator, model, batches, global_targets, params)
+            local = run_local_step(accelerator, model, batches, global_targets, params, recipe.training.loss)
             if recipe.training.max_grad_norm:
                 accelerator.clip_grad_norm_(params, recipe.training.max_grad_norm)
             optimizer.step()
