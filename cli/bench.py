@@ -203,6 +203,7 @@ def memory(
     timeout: float = typer.Option(3600.0, min=1.0, help="Seconds one configuration may take."),
     out: Path = typer.Option(Path("bench_results/memory/memory.json"), "--out", help="Results as JSON."),
     project: bool = typer.Option(False, "--project", help="Print the accounting's projection for Llama-3-8B with LoRA; run nothing."),
+    mmap_threshold: int = typer.Option(0, min=0, help="glibc MALLOC_MMAP_THRESHOLD_ in each process (e.g. 65536: freed blocks leave the RSS); 0: glibc's default."),
 ) -> None:
     """Peak memory of one training step (loss alone; whole model), each configuration in a fresh process."""
     from sparsebalance_ft.bench.memory import GIB, default_cases, projection_rows, result_row, run_memory_bench
@@ -232,7 +233,8 @@ def memory(
             console.print(f"  {r['name']}: {r.get('error') or r.get('skipped')}", highlight=False)
 
     console.print(f"{len(cases)} configurations, one fresh process each")
-    report = run_memory_bench(cases, out, device, cap_gib or None, timeout, on_result=show)
+    report = run_memory_bench(cases, out, device, cap_gib or None, timeout, on_result=show,
+                              mmap_threshold=mmap_threshold or None)
     table = Table(title=f"peak memory of one training step ({device})")
     columns = ("config", "peak_gib", "step_gib", "projected_step_gib", "seconds", "note")
     for col in columns:

@@ -268,12 +268,18 @@ def projected_step(case: MemoryCase, shape: Shape = SMOLLM2) -> float:
 # --------------------------------------------------------------------------- the driver
 
 
-def run_case(case: MemoryCase, device: str, cap_gib: float | None, timeout_s: float | None) -> dict:
-    """One configuration in a fresh interpreter; its result, or why it has none."""
+def run_case(case: MemoryCase, device: str, cap_gib: float | None, timeout_s: float | None,
+             mmap_threshold: int | None = None) -> dict:
+    """One configuration in a fresh interpreter; its result, or why it has none.
+
+    `mmap_threshold` sets glibc's MALLOC_MMAP_THRESHOLD_ in that process: blocks at least that large
+    are then returned to the system when torch frees them, instead of staying in the RSS.
+    """
     command = [sys.executable, "-m", "sparsebalance_ft.bench.memory", json.dumps(asdict(case)), device,
                str(cap_gib or 0)]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(mmap_threshold)) if mmap_threshold else None
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"case": asdict(case), "name": case.name, "skipped": f"took longer than {timeout_s:.0f} s"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -283,6 +289,7 @@ def run_case(case: MemoryCase, device: str, cap_gib: float | None, timeout_s: fl
     result = json.loads(lines[-1])
     result["name"] = case.name
     result["projected_step_bytes"] = projected_step(case)
+    result["malloc_mmap_threshold"] = mmap_threshold
     return result
 
 
@@ -313,12 +320,14 @@ def projection_rows(shape: Shape = LLAMA3_8B, tokens: tuple[int, ...] = (32_768,
 
 
 def run_memory_bench(cases: list[MemoryCase], out: Path, device: str = "cpu", cap_gib: float | None = 12.0,
-                     timeout_s: float | None = None, on_result: Callable[[dict], None] | None = None) -> dict:
+                     timeout_s: float | None = None, on_result: Callable[[dict], None] | None = None,
+                     mmap_threshold: int | None = None) -> dict:
     """Measure every case, rewriting the JSON `out` after each (a long run keeps what it has)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"device": device, "cap_gib": cap_gib, "shape": SMOLLM2_SHAPE, "threads": 1, "results": []}
+    report = {"device": device, "cap_gib": cap_gib, "shape": SMOLLM2_SHAPE, "threads": 1,
+              "malloc_mmap_threshold": mmap_threshold, "results": []}
     for case in cases:
-        result = run_case(case, device, cap_gib, timeout_s)
+        result = run_case(case, device, cap_gib, timeout_s, mmap_threshold)
         report["results"].append(result)
         out.write_text(json.dumps(report, indent=1))
         if on_result is not None:
