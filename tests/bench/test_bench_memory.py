@@ -1,10 +1,15 @@
 """`sbft bench memory`: fresh-process peaks, the cap that protects a shared machine, and the accounting."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from sparsebalance_ft.bench.memory import (
     GIB,
+    LLAMA3_8B,
     SMOLLM2,
     MemoryCase,
     Shape,
@@ -63,3 +68,11 @@ def test_default_cases_are_the_target_and_one_change_ablations():
         "model 8K dense ckpt chunked", "model 8K dense no-ckpt full",
         "model 32K sparse ckpt chunked", "model 32K sparse ckpt full", "model 32K sparse no-ckpt chunked",
     ]
+
+
+def test_cli_prints_the_llama_projection():
+    done = subprocess.run([sys.executable, "-m", "sbft_cli.app", "bench", "memory", "--project"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "COLUMNS": "160"})
+    assert done.returncode == 0, done.stderr
+    total = projected_peak(LLAMA3_8B, 131_072, True, "chunked")["total"]
+    assert f"{total / 1e9:.1f}" in done.stdout and "Llama-3-8B" in done.stdout
