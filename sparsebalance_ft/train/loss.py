@@ -17,6 +17,7 @@ The trainer, the profiler and evaluation all call this module, so they compute o
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -108,7 +109,9 @@ def _chunked(parts: CausalLMParts, hidden: torch.Tensor, targets: torch.Tensor, 
     return torch.stack(pieces).sum() if reduction == "sum" else torch.cat(pieces)
 
 
+@functools.lru_cache(maxsize=None)
 def _liger_loss():
+    """liger-kernel's loss class, or None (looked up once: a failed import is not cached by Python)."""
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except ImportError:
