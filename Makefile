@@ -64,6 +64,11 @@ bench-balance: install $(MODEL)/config.json $(PROFILE)
 bench-accuracy: install
 	$(SBFT) bench accuracy --out $(BENCH)/accuracy --work $(RUNS)/accuracy
 
+# Peak memory of one training step, one fresh process per configuration (hours on a shared 2-core CPU).
+.PHONY: bench-memory
+bench-memory: install
+	$(SBFT) bench memory --out $(BENCH)/memory/memory.json
+
 # On a machine with a CUDA GPU, in one go: the Triton kernel's tests compiled (not interpreted), then one
 # attention layer (bf16, fwd+bwd) timed per sparse backend, each also keeping every block (--kernel-at-full).
 gpu-check: install

@@ -1,6 +1,7 @@
 """`sbft bench attention` (one attention layer, sparse vs dense SDPA), `sbft bench selection` (the
 selection rules at matched density), `sbft bench balance` (the same training run under baseline, SAB,
-DST, SAB+DST and dense attention, on real ranks) and `sbft bench accuracy` (the accuracy study)."""
+DST, SAB+DST and dense attention, on real ranks), `sbft bench accuracy` (the accuracy study) and `sbft bench
+memory` (peak memory of one training step)."""
 from __future__ import annotations
 
 import json
@@ -209,6 +210,60 @@ def accuracy(
     base = prepare_study(work, plan)
     result = run_accuracy_study(base, DEFAULT_ARMS, launch_trainer(plan.nproc), out, plan=plan, work_dir=work, reuse=reuse)
     console.print(study_table(result), highlight=False)
+
+
+@bench_app.command("memory")
+@user_errors
+def memory(
+    loss_tokens: str = typer.Option("16384,32768,65536", help="Token counts for the loss alone (full vs chunked); empty: none."),
+    model_tokens: str = typer.Option("8192,16384", help="Token counts for the SmolLM2-shaped model: target and every ablation."),
+    long_tokens: str = typer.Option("32768", help="Token counts for the model: target and the sparse ablations only."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    cap_gib: float = typer.Option(12.0, min=0.0, help="Stop a configuration once it holds more (CPU); 0: no cap."),
+    timeout: float = typer.Option(3600.0, min=1.0, help="Seconds one configuration may take."),
+    out: Path = typer.Option(Path("bench_results/memory/memory.json"), "--out", help="Results as JSON."),
+    project: bool = typer.Option(False, "--project", help="Print the accounting's projection for Llama-3-8B with LoRA; run nothing."),
+    mmap_threshold: int = typer.Option(0, min=0, help="glibc MALLOC_MMAP_THRESHOLD_ in each process (e.g. 65536: freed blocks leave the RSS); 0: glibc's default."),
+) -> None:
+    """Peak memory of one training step (loss alone; whole model), each configuration in a fresh process."""
+    from sparsebalance_ft.bench.memory import GIB, default_cases, projection_rows, result_row, run_memory_bench
+
+    if project:
+        table = Table(title="projected peak, Llama-3-8B bf16 + LoRA r=8 (GB)")
+        columns = ("tokens", "checkpointing", "loss", "weights", "kept_activations", "logits", "layer_backward", "total")
+        for col in columns:
+            table.add_column(col, justify="right")
+        for row in projection_rows():
+            table.add_row(*(str(row[c]) for c in columns))
+        console.print(table)
+        return
+
+    def ints(text: str, name: str) -> list[int]:
+        return [int(x) for x in _floats(text, name)] if text.strip() else []
+
+    cases = default_cases(ints(model_tokens, "model-tokens"), ints(loss_tokens, "loss-tokens"),
+                          ints(long_tokens, "long-tokens"))
+
+    def show(r: dict) -> None:
+        if "peak_bytes" in r:
+            console.print(f"  {r['name']}: peak {r['peak_bytes'] / GIB:.2f} GiB, {r['step_seconds']:.0f} s", highlight=False)
+        elif "exceeded_bytes" in r:
+            console.print(f"  {r['name']}: more than {r['exceeded_bytes'] / GIB:.0f} GiB (stopped)", highlight=False)
+        else:
+            console.print(f"  {r['name']}: {r.get('error') or r.get('skipped')}", highlight=False)
+
+    console.print(f"{len(cases)} configurations, one fresh process each")
+    report = run_memory_bench(cases, out, device, cap_gib or None, timeout, on_result=show,
+                              mmap_threshold=mmap_threshold or None)
+    table = Table(title=f"peak memory of one training step ({device})")
+    columns = ("config", "peak_gib", "step_gib", "projected_step_gib", "seconds", "note")
+    for col in columns:
+        table.add_column(col, justify="right")
+    for result in report["results"]:
+        row = result_row(result)
+        table.add_row(*("-" if row[c] is None else str(row[c]) for c in columns))
+    console.print(table)
+    console.print(f"wrote {out}")
 
 
 def register(app: typer.Typer) -> None:

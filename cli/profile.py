@@ -55,7 +55,7 @@ def register(app: typer.Typer) -> None:
         data = load_recipe(recipe, overrides)
 
         if validate is not None:  # clock and threads default to the profile's own
-            from sparsebalance_ft.cost.validate import validate_recipe
+            from sparsebalance_ft.profiling.validate import validate_recipe
 
             if not validate.is_file():
                 raise ProfileArgumentError(f"--validate: profile file not found: {validate}")
@@ -67,7 +67,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"wrote {report or validate.with_suffix('.validation.json')} and {result['plot']}")
             return
 
-        from sparsebalance_ft.cost.profiler import ProfileSettings, profile_recipe, profile_warnings
+        from sparsebalance_ft.profiling.profiler import ProfileSettings, profile_recipe, profile_warnings
 
         if clock == "auto":
             import torch

@@ -118,6 +118,9 @@ class TrainingConfig(_Section):
         1800, ge=1, description="Seconds a rank waits in a collective for the others before the run fails (a hung rank)."
     )
 
+    loss: Literal["auto", "full", "chunked", "fused"] = Field(
+        "auto", description="Next-token loss: full logits, chunked through the LM head, or fused (liger-kernel, CUDA); auto is fused where available, else chunked."
+    )
     @field_validator("report_to", mode="before")
     @classmethod
     def _report_to_list(cls, value: Any) -> Any:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from ..train.loss import hidden_states, split_causal_lm, token_loss
 from .metrics import best_score
 
 
@@ -200,6 +201,7 @@ def answer_nll(
     answer token; one that does pays close to nothing, well before greedy decoding is exactly right.
     """
     device = next(model.parameters()).device
+    parts = split_causal_lm(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     answers = [list(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in continuations]
     full = [list(p) + a for p, a in zip(prompts, answers)]
@@ -211,15 +213,15 @@ def answer_nll(
         for row, i in enumerate(batch):
             ids[row, : len(full[i])] = torch.as_tensor(full[i])  # right padding: positions stay 0..n-1
             mask[row, : len(full[i])] = 1
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
-        logprobs = torch.log_softmax(logits, dim=-1)
-        for row, i in enumerate(batch):
-            n, k = len(full[i]), len(answers[i])
-            if k == 0:
-                continue
-            targets = torch.as_tensor(answers[i], device=logprobs.device)
-            picked = logprobs[row, n - k - 1 : n - 1].gather(-1, targets[:, None]).squeeze(-1)
-            result[i] = float(-picked.mean())
+        # the training's loss over hidden states: only the answer positions go through the LM head
+        hidden = hidden_states(parts, input_ids=ids.to(device), attention_mask=mask.to(device))
+        scored = [(row, i) for row, i in enumerate(batch) if answers[i]]
+        if scored:
+            rows = torch.cat([hidden[row, len(full[i]) - len(answers[i]) - 1 : len(full[i]) - 1] for row, i in scored])
+            targets = torch.as_tensor([t for _, i in scored for t in answers[i]], device=rows.device)
+            nll = token_loss(parts, rows, targets, "chunked", reduction="none")
+            for (_, i), piece in zip(scored, nll.split([len(answers[i]) for _, i in scored])):
+                result[i] = float(piece.mean())
         if on_batch is not None:
             on_batch(len(batch))
     return result

@@ -197,7 +197,7 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
             decision = balancing.before_step(mine)
             batches = [pack_documents(corpus, mb) for mb in mine if mb]
             global_targets = int(sum(corpus.target_tokens[i] for ranks in plan.micro_batches for mb in ranks for i in mb))
-            local = run_local_step(accelerator, model, batches, global_targets, params)
+            local = run_local_step(accelerator, model, batches, global_targets, params, recipe.training.loss)
             if recipe.training.max_grad_norm:
                 accelerator.clip_grad_norm_(params, recipe.training.max_grad_norm)
             optimizer.step()

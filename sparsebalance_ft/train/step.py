@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from .loss import micro_batch_loss
 
 
 def _distributed() -> bool:
@@ -25,6 +27,18 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_collective(run: Callable[[], None], device: torch.device) -> float:
+    """Seconds until a collective has completed, not merely been queued.
+
+    On CUDA, NCCL collectives return to the host as soon as they are enqueued; only a device
+    synchronize waits for the slowest rank to arrive. On CPU (gloo) the call itself blocks.
+    """
+    start = time.perf_counter()
+    run()
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
 @dataclass
 class LocalStep:
     compute_time: float
@@ -33,23 +47,6 @@ class LocalStep:
     loss_sum: float
     target_tokens: int
     tokens: int
-
-
-def micro_batch_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy of a packed micro-batch and the number of predicted tokens.
-
-    Labels are -100 at each document's first token, so no document is predicted from the one
-    packed before it; the caller divides by the step's global target count, which makes the
-    gradient equal to that of the mean loss over every token of the step on every rank.
-    """
-    # use_cache=False matters: with a cache, transformers skips packed-sequence detection and
-    # packed documents would attend to each other.
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    targets = batch["labels"][:, 1:]
-    loss = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
-    )
-    return loss, int((targets != -100).sum())
 
 
 def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
@@ -64,14 +61,15 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
         offset += n
 
 
-def run_local_step(accelerator, model, batches: list[dict], global_target_tokens: int, params) -> LocalStep:
+def run_local_step(accelerator, model, batches: list[dict], global_target_tokens: int, params,
+                   loss_mode: str = "auto") -> LocalStep:
     device = accelerator.device
     start = time.perf_counter()
     loss_sum, target_tokens, tokens = 0.0, 0, 0
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
         with accelerator.autocast():
-            loss, count = micro_batch_loss(model, batch)
+            loss, count = micro_batch_loss(model, batch, loss_mode)
         accelerator.backward(loss / max(global_target_tokens, 1))
         loss_sum += float(loss.detach())
         target_tokens += count
@@ -81,11 +79,7 @@ def run_local_step(accelerator, model, batches: list[dict], global_target_tokens
 
     wait_time = comm_time = 0.0
     if _distributed():
-        arrived = time.perf_counter()
-        dist.all_reduce(torch.zeros(1, device=device))  # returns when the slowest rank arrives
-        wait_time = time.perf_counter() - arrived
-        sent = time.perf_counter()
-        all_reduce_gradients(params)
-        _synchronize(device)
-        comm_time = time.perf_counter() - sent
+        # completes when the slowest rank arrives
+        wait_time = timed_collective(lambda: dist.all_reduce(torch.zeros(1, device=device)), device)
+        comm_time = timed_collective(lambda: all_reduce_gradients(params), device)
     return LocalStep(compute_time, wait_time, comm_time, loss_sum, target_tokens, tokens)

@@ -280,7 +280,7 @@ def test_load_cost_model_falls_back_to_analytic(tmp_path):
 
 
 def test_calibration_recovers_micro_batch_and_document_overheads():
-    from sparsebalance_ft.cost.profiler import calibrate_overheads
+    from sparsebalance_ft.profiling.profiler import calibrate_overheads
 
     p = power_law_profile(micro_batch_overhead=0.0)
     rng = np.random.default_rng(0)
@@ -295,7 +295,7 @@ def test_calibration_recovers_micro_batch_and_document_overheads():
 
 
 def test_disturbed_profiles_are_flagged():
-    from sparsebalance_ft.cost.profiler import profile_warnings
+    from sparsebalance_ft.profiling.profiler import profile_warnings
 
     calm = power_law_profile()
     calm.meta.update({"noise": {"median_relative_iqr": 0.05}, "calibration": {"median_ape_after": 0.04}})

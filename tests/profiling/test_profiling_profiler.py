@@ -11,14 +11,14 @@ import yaml
 
 import _fake_sparse
 from sparsebalance_ft.cost import ProfiledCostModel
-from sparsebalance_ft.cost.profiler import (
+from sparsebalance_ft.profiling.profiler import (
     NOOP_ATTENTION,
     ControllerDriver,
     ProfileSettings,
     attention_swapped,
     profile_model,
 )
-from sparsebalance_ft.cost.validate import random_micro_batches, validate_model
+from sparsebalance_ft.profiling.validate import random_micro_batches, validate_model
 
 TINY = ProfileSettings(lengths=[64, 128], densities=[0.25, 1.0], token_points=2, warmup=1, repeats=1,
                        threads=1, clock="cpu", calibration_batches=3)
@@ -70,7 +70,7 @@ def test_profile_and_validate_a_sparse_model(sparse_lora_model, tmp_path):
 
 
 def test_noop_attention_swap_is_restored_even_on_error(sparse_lora_model):
-    from sparsebalance_ft.cost.profiler import register_noop_attention
+    from sparsebalance_ft.profiling.profiler import register_noop_attention
 
     register_noop_attention()
     with pytest.raises(RuntimeError):
@@ -134,7 +134,7 @@ def test_profile_with_gradient_checkpointing_and_a_dense_backend(tiny_model_dir)
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from sparsebalance_ft.cost.profiler import DenseDriver
+    from sparsebalance_ft.profiling.profiler import DenseDriver
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM"))

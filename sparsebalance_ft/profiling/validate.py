@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .model import ProfiledCostModel
+from ..cost.model import ProfiledCostModel
 from .profiler import (
     Cell,
     DensityDriver,
@@ -29,6 +29,7 @@ from .profiler import (
     _threads,
     load_for_timing,
     measure_cells,
+    model_config,
     random_micro_batches,
 )
 
@@ -78,6 +79,7 @@ def validate_model(
     dense_layers: list[int] | None = None,
     mixed_precision: str = "no",
     progress: bool = True,
+    loss_mode: str = "auto",
 ) -> dict[str, Any]:
     """Measure held-out points and random packed micro-batches; return the error report."""
     settings = profile.meta.get("settings", {})
@@ -85,7 +87,7 @@ def validate_model(
     statistic = statistic or settings.get("statistic", "median")
     threads = threads if threads is not None else settings.get("threads")
     model.train()
-    work = Workloads(model, driver, list(dense_layers or []), mixed_precision, seed)
+    work = Workloads(model, driver, list(dense_layers or []), mixed_precision, seed, loss_mode)
     densities = [float(d) for d in profile.densities]
     cases: list[dict[str, Any]] = []
     for n, d in held_out_points(profile):
@@ -158,12 +160,11 @@ def validate_recipe(recipe: Any, profile_path: str | Path, out_json: str | Path 
     """Load the recipe's model and the profile (warning on mismatch), validate, write JSON and PNG."""
     profile_path = Path(profile_path)
     model, driver, mixed = load_for_timing(recipe)
-    from .profiler import model_config
-
     profile = ProfiledCostModel.load(profile_path, recipe=recipe, model_config=model_config(model), extrapolate="allow")
     report = validate_model(model, driver, profile, recipe.data.max_seq_len, recipe.token_cap,
                             micro_batches=micro_batches, repeats=repeats, seed=seed,
                             dense_layers=list(recipe.sparsity.dense_layers), mixed_precision=mixed,
+                            loss_mode=recipe.training.loss,
                             progress=progress, **kwargs)
     report["profile"] = str(profile_path)
     out_json = Path(out_json) if out_json else profile_path.with_suffix(".validation.json")

@@ -31,17 +31,17 @@ from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from ..errors import UserError
-from .model import (
+from ..cost.model import (
     ProfiledCostModel,
     current_hardware,
     library_versions,
     model_config_hash,
     timing_key,
 )
-from .stats import _isotonic
+from ..cost.stats import _isotonic
+from ..errors import UserError
+from ..train.loss import micro_batch_loss
 
 NOOP_ATTENTION = "sbft_profile_noop"
 # Dense kernels given the packed block-diagonal mask compute the whole packed sequence's L^2;
@@ -203,16 +203,9 @@ def packed_inputs(lengths: list[int], vocab: int, device: torch.device, generato
     return {"input_ids": ids, "position_ids": pos, "labels": labels}
 
 
-def model_loss(model, batch: dict) -> torch.Tensor:
-    """The training loss of a packed micro-batch (as `train.step.micro_batch_loss`)."""
-    try:
-        from ..train.step import micro_batch_loss
-
-        return micro_batch_loss(model, batch)[0]
-    except ImportError:  # pragma: no cover
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
-                               ignore_index=-100, reduction="sum")
+def model_loss(model, batch: dict, loss_mode: str = "auto") -> torch.Tensor:
+    """The training loss of a packed micro-batch: the trainer's own (`train.loss.micro_batch_loss`)."""
+    return micro_batch_loss(model, batch, loss_mode)[0]
 
 
 def _sync(device: torch.device) -> None:
@@ -345,7 +338,7 @@ class Workloads:
     """Builds the timed workloads of one model: a layer at (length, density), the whole model."""
 
     def __init__(self, model, driver: DensityDriver, dense_layers: list[int], mixed_precision: str = "no",
-                 seed: int = 0):
+                 seed: int = 0, loss_mode: str = "auto"):
         register_noop_attention()
         self.model = model
         self.driver = driver
@@ -358,6 +351,7 @@ class Workloads:
         self.device = next(model.parameters()).device
         self.dtype = next(p for p in model.parameters()).dtype
         self.mixed_precision = mixed_precision
+        self.loss_mode = loss_mode
         self.vocab = int(getattr(self.config, "vocab_size", 1000))
         self.generator = torch.Generator().manual_seed(seed)
         self._inputs: dict[tuple, tuple[torch.Tensor, dict]] = {}
@@ -409,7 +403,7 @@ class Workloads:
                 self.driver.force(density)
             with ctx:
                 with _autocast(self.device, self.mixed_precision):
-                    loss = model_loss(self.model, batch)
+                    loss = model_loss(self.model, batch, self.loss_mode)
                 (loss * 1e-3).backward()
             self.driver.drain()
 
@@ -419,12 +413,9 @@ class Workloads:
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             return lambda: None
-        try:
-            from ..train.optim import build_optimizer
+        from ..train.optim import build_optimizer
 
-            optimizer = build_optimizer(training_config, params) if training_config is not None else None
-        except ImportError:  # pragma: no cover
-            optimizer = None
+        optimizer = build_optimizer(training_config, params) if training_config is not None else None
         optimizer = optimizer or torch.optim.AdamW(params, lr=1e-6)
         for p in params:
             if p.grad is None:
@@ -495,7 +486,8 @@ def profile_model(
     settings = settings or ProfileSettings()
     dense_layers = list(dense_layers or [])
     model.train()
-    work = Workloads(model, driver, dense_layers, mixed_precision, settings.seed)
+    loss_mode = getattr(training_config, "loss", "auto")
+    work = Workloads(model, driver, dense_layers, mixed_precision, settings.seed, loss_mode)
     scope = settings.attention_scope or ("micro_batch" if work.attn_name in MICRO_BATCH_SCOPED else "document")
     lengths = settings.length_grid(max_len, block_size)
     densities = settings.density_grid(driver.densities_supported)
