@@ -66,7 +66,7 @@ def preflight(recipe: Recipe, resume: bool | str | Path = False, overwrite: bool
     """Every check that needs no process group: precision, model folder, output folder (one line each)."""
     resolve_mixed_precision(recipe.training.mixed_precision)
     check_model_dir(recipe)
-    check_output_dir(recipe.training.output_dir, bool(resume), overwrite)
+    check_output_dir(recipe.training.output_dir, resume, overwrite)
 
 
 def _resume_checkpoint(accelerator, out: Path, resume: bool | str | Path):

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 from ..errors import UserError
+from .checkpoint import checkpoint_dirs
 
 LOCK_NAME = ".sbft.lock"
 
@@ -71,13 +72,23 @@ def _check_writable(out: Path) -> None:
         raise OutputDirError(f"training.output_dir: cannot write to {out}: {error.strerror or error}") from None
 
 
-def check_output_dir(out: str | Path, resume: bool, overwrite: bool) -> None:
-    """Refuse, in one line, a directory in use, unwritable, or holding a run this one would overwrite."""
+def check_output_dir(out: str | Path, resume: bool | str | Path, overwrite: bool) -> None:
+    """Refuse, in one line, a directory in use, unwritable, or holding a run this one would overwrite.
+
+    `resume` is True for the newest checkpoint of `out` or a checkpoint's path. A bare `--resume` in a
+    directory whose run logged steps but left no checkpoint would start again from step 0 and drop
+    that log, so it is refused too (job scripts that always pass --resume still start in an empty dir).
+    """
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"training.output_dir: {out} is a file, not a directory")
     _refuse_if_locked(out)
     _check_writable(out)
+    if resume is True and not overwrite and not checkpoint_dirs(out) and _has_logged_steps(out):
+        raise OutputDirError(
+            f"training.output_dir: {out} holds a run with logged steps but no checkpoint to resume; "
+            "replace it with --overwrite or choose another output_dir"
+        )
     if resume or overwrite:
         return
     held = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)
@@ -86,6 +97,11 @@ def check_output_dir(out: str | Path, resume: bool, overwrite: bool) -> None:
             f"training.output_dir: {out} already holds a run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); "
             "continue it with --resume or replace it with --overwrite"
         )
+
+
+def _has_logged_steps(out: Path) -> bool:
+    metrics = out / "metrics.jsonl"
+    return metrics.is_file() and metrics.stat().st_size > 0
 
 
 def clear_output_dir(out: str | Path) -> None:

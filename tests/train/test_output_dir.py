@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from sparsebalance_ft.train.checkpoint import COMPLETE_MARKER
 from sparsebalance_ft.train.output_dir import LOCK_NAME, OutputDirError, RunLock, check_output_dir, clear_output_dir
 
 
@@ -25,6 +26,19 @@ def test_a_used_directory_needs_resume_or_overwrite(tmp_path):
     check_output_dir(tmp_path, resume=False, overwrite=True)
     clear_output_dir(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_refuses_to_restart_a_run_that_left_no_checkpoint(tmp_path):
+    check_output_dir(tmp_path, resume=True, overwrite=False)  # empty: a job script's --resume starts fresh
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    with pytest.raises(OutputDirError, match="logged steps but no checkpoint"):
+        check_output_dir(tmp_path, resume=True, overwrite=False)
+    assert (tmp_path / "metrics.jsonl").read_text().startswith('{"step": 1')
+    (tmp_path / "checkpoint-1").mkdir()  # a save cut short is no checkpoint either
+    with pytest.raises(OutputDirError, match="no checkpoint"):
+        check_output_dir(tmp_path, resume=True, overwrite=False)
+    (tmp_path / "checkpoint-1" / COMPLETE_MARKER).write_text("{}")
+    check_output_dir(tmp_path, resume=True, overwrite=False)
 
 
 def test_a_live_lock_refuses_a_second_run(tmp_path):
