@@ -7,8 +7,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import UserError
 
-BatchingPolicyName = Literal["random", "tokens", "kk-length", "kk-flops", "sparsebalance"]
-TuningMode = Literal["none", "straggler-only", "bidirectional"]
+BatchingPolicyName = Literal["random", "tokens", "kk-length", "kk-flops", "length-grouped", "verl", "sparsebalance"]
+TuningMode = Literal["none", "straggler-only", "bidirectional", "layer"]
 TargetRule = Literal["mean", "fastest"]
 
 
@@ -21,9 +21,22 @@ class BalanceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    batching: BatchingPolicyName = Field("random", description="How each step's documents are assigned to ranks.")
+    batching: BatchingPolicyName = Field(
+        "random",
+        description="How each step's documents are assigned to ranks. length-grouped and verl are the fair peers"
+        " (they see the same look-ahead as sparsebalance); random, tokens, kk-length and kk-flops see one step.",
+    )
+    lookahead_steps: int = Field(
+        32,
+        ge=1,
+        le=4096,
+        description="Steps whose documents length-grouped, verl and sparsebalance regroup together (1: none).",
+    )
     tuning: TuningMode = Field(
-        "none", description="Dynamic sparsity tuning: lower stragglers' budgets, and optionally raise the others'."
+        "none",
+        description="Dynamic sparsity tuning: lower stragglers' budgets, and optionally raise the others'. layer:"
+        " per-step bidirectional tuning, then, inside the step, every layer's measured work is exchanged and each"
+        " rank's selection moved toward the step's target (balancer/layer_tuning.py).",
     )
     min_budget: float = Field(0.1, ge=0.0, le=1.0, description="No rank's budget goes below this.")
     max_budget: float = Field(0.9, ge=0.0, le=1.0, description="No rank's budget goes above this.")
