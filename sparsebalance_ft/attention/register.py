@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .budget import SparseAttentionController, selection_kwargs
+from .budget import SparseAttentionController, _in_backward, selection_kwargs
 from .kernels import block_sparse_attention, make_plan, resolve_backend, warn_once
 from .selection import (
     Layout,
@@ -210,6 +210,11 @@ def sparse_attention_row(
             sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, scale=scale,
             force_density=None if full else forced, window=window,
         )
+        if getattr(controller, "layer_tuner", None) is not None and forced is None and not full:
+            # layer-level DST (balancer/layer_tuning.py): move this rank's selection toward the layer's target
+            sel = controller.layer_tuner.adjust(layer, sel, lambda b: select_blocks(
+                qp[0].detach(), kp[0].detach(), layout, **selection_kwargs(cfg, b), k_min=cfg.k_min,
+                sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, scale=scale, window=window), _in_backward())
         backend = resolve_backend(cfg.backend, q.device)
         plan = make_plan(sel.indices[None], sel.counts[None], layout.num_blocks, cfg.chunk_blocks) if backend == "torch" else None
     t_sel = time.perf_counter() - t0

@@ -71,6 +71,8 @@ class BalanceConfig(BaseModel):
     def _bounds_ordered(self) -> "BalanceConfig":
         if self.min_budget > self.max_budget:
             raise ValueError(f"min_budget ({self.min_budget}) must not exceed max_budget ({self.max_budget})")
+        if self.tuning == "layer" and self.max_budget >= 1.0:
+            raise ValueError("tuning 'layer' needs max_budget < 1.0 (at 1.0 a layer runs dense and has no blocks to move)")
         return self
 
     def check_default_budget(self, default_budget: float) -> None:

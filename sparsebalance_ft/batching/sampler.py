@@ -162,6 +162,7 @@ class BatchSampler:
         self._groups: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self._order: tuple[int, np.ndarray] | None = None
         self._last_planned: tuple[int, int] | None = None
+        self.last_plan: StepPlan | None = None  # the trainer syncs the step's per-document densities over it
 
     # ---- geometry -------------------------------------------------------------------------
     @property
@@ -251,7 +252,8 @@ class BatchSampler:
             cost_of = dict(zip(docs.tolist(), costs.tolist()))
             predicted = np.array([sum(cost_of[d] for mb in r for d in mb) for r in mbs], dtype=np.float64)
         self._last_planned = (int(epoch), int(step))
-        return StepPlan(int(epoch), int(step), mbs, predicted)
+        self.last_plan = StepPlan(int(epoch), int(step), mbs, predicted)
+        return self.last_plan
 
     # ---- the training loop's view ---------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:

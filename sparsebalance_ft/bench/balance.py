@@ -1,4 +1,8 @@
-"""The balancing experiment: the same training run under five configurations, measured alternately.
+"""The balancing experiment: the same training run under several configurations, measured alternately.
+
+The baseline every speedup is quoted against is `peer`: the best fair peer (length-grouped
+Karmarkar-Karp on the FLOP proxy over the same look-ahead as `sparsebalance`) at the fixed default
+budget. `baseline` (random batching, fixed budget) stays as a reference row.
 
 Every configuration trains the same model from the same initialisation on the same documents,
 steps and seed, as real ranks (one process each, gloo on a CPU). Configurations run one after
@@ -6,8 +10,8 @@ another in rounds (baseline, SAB, DST, SAB+DST, dense, baseline, ...), so slow d
 shared machine hits all of them alike. Times come from each run's own metrics.jsonl: the sum of
 step times (start-up and model loading excluded), the step time as the slowest rank saw it.
 
-Same documents: `sparsebalance` batching regroups `BUCKET_STEPS` steps' documents at a time, so a
-run cut inside such a block would train a different subset of documents than the baseline. The
+Same documents: the look-ahead policies regroup `balance.lookahead_steps` steps' documents at a time,
+so a run cut inside such a block would train a different subset of documents than the others. The
 bench therefore requires `max_steps` to be a multiple of it, and checks after the runs that every
 configuration trained the same number of tokens.
 
@@ -25,15 +29,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..batching import BUCKET_STEPS
 from ..errors import UserError
 from ..train.metrics import read_metrics
 
 CONFIGURATIONS: dict[str, list[str]] = {
     "baseline": ["balance.batching=random", "balance.tuning=none"],
+    "peer": ["balance.batching=length-grouped", "balance.tuning=none"],
     "sab": ["balance.batching=sparsebalance", "balance.tuning=none"],
     "dst": ["balance.batching=random", "balance.tuning=bidirectional"],
     "sab+dst": ["balance.batching=sparsebalance", "balance.tuning=bidirectional"],
+    "sab+layer": ["balance.batching=sparsebalance", "balance.tuning=layer"],
     "dense": ["model.attn_implementation=sdpa", "balance.batching=random", "balance.tuning=none"],
 }
 
@@ -42,13 +47,13 @@ class BenchSetupError(UserError):
     """The recipe would make configurations train different documents (one line, exit 2)."""
 
 
-def check_same_documents(max_steps: int) -> None:
-    """Raise unless every configuration's run covers whole `sparsebalance` regrouping blocks."""
-    if max_steps % BUCKET_STEPS:
+def check_same_documents(max_steps: int, lookahead_steps: int) -> None:
+    """Raise unless every configuration's run covers whole look-ahead blocks."""
+    if max_steps % lookahead_steps:
         raise BenchSetupError(
-            f"training.max_steps ({max_steps}) must be a multiple of {BUCKET_STEPS}: sparsebalance batching"
-            f" regroups {BUCKET_STEPS} steps' documents at a time, and a run cut inside such a block would"
-            " train other documents than the baseline"
+            f"training.max_steps ({max_steps}) must be a multiple of balance.lookahead_steps ({lookahead_steps}):"
+            f" the look-ahead policies regroup {lookahead_steps} steps' documents at a time, and a run cut inside"
+            " such a block would train other documents than the others"
         )
 
 
@@ -117,10 +122,11 @@ def run_balance_bench(
             if on_result:
                 on_result(round_index, name, result)
     summary = {name: _median_of_rounds(results) for name, results in runs.items()}
-    if "baseline" in summary:
-        base = summary["baseline"]["train_time"]
-        for row in summary.values():
-            row["speedup_vs_baseline"] = base / row["train_time"]
+    for reference in ("peer", "baseline"):
+        if reference in summary:
+            base = summary[reference]["train_time"]
+            for row in summary.values():
+                row[f"speedup_vs_{reference}"] = base / row["train_time"]
     token_totals = {row["tokens"] for row in summary.values()}
     report = {"recipe": str(recipe), "nproc": nproc, "rounds": rounds, "overrides": overrides or [],
               "same_documents": len(token_totals) == 1, "results": summary}

@@ -115,7 +115,7 @@ def train(recipe: Recipe, resume: bool = False, console=None) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     _broadcast_trainable(params)
 
-    balancing = build_balancing(recipe, model, corpus.lengths, world)
+    balancing = build_balancing(recipe, model, corpus.lengths, world, documents=corpus)
     steps_per_epoch = balancing.sampler.steps_per_epoch
     if steps_per_epoch == 0:
         raise RuntimeError("the dataset has fewer documents than one step needs; lower training.docs_per_rank")
@@ -153,7 +153,8 @@ def train(recipe: Recipe, resume: bool = False, console=None) -> dict:
             decision = balancing.before_step(mine)
             batches = [pack_micro_batch([corpus[i] for i in mb]) for mb in mine if mb]
             global_targets = int(sum(corpus.lengths[i] - 1 for ranks in plan.micro_batches for mb in ranks for i in mb))
-            local = run_local_step(accelerator, model, batches, global_targets, params)
+            local = run_local_step(accelerator, model, batches, global_targets, params,
+                                   after_micro_batches=balancing.finish_micro_batches)
             if recipe.training.max_grad_norm:
                 accelerator.clip_grad_norm_(params, recipe.training.max_grad_norm)
             optimizer.step()
@@ -181,6 +182,7 @@ def train(recipe: Recipe, resume: bool = False, console=None) -> dict:
             metrics = step_metrics(
                 state.step, state.epoch, scheduler.get_last_lr()[0], time.perf_counter() - step_start, records
             )
+            metrics.update(balancing.step_metrics())
             last_loss = metrics["loss"]
             writer.write(metrics)
             progress.update(state.step, metrics, every=recipe.training.log_every)

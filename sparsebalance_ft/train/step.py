@@ -64,7 +64,8 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
         offset += n
 
 
-def run_local_step(accelerator, model, batches: list[dict], global_target_tokens: int, params) -> LocalStep:
+def run_local_step(accelerator, model, batches: list[dict], global_target_tokens: int, params,
+                   after_micro_batches=None) -> LocalStep:
     device = accelerator.device
     start = time.perf_counter()
     loss_sum, target_tokens, tokens = 0.0, 0, 0
@@ -76,6 +77,8 @@ def run_local_step(accelerator, model, batches: list[dict], global_target_tokens
         loss_sum += float(loss.detach())
         target_tokens += count
         tokens += int(batch["input_ids"].numel())
+    if after_micro_batches is not None:  # e.g. layer-level DST: join the exchanges of micro-batches this rank lacks
+        after_micro_batches()
     _synchronize(device)
     compute_time = time.perf_counter() - start
 
