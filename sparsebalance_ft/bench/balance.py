@@ -64,6 +64,11 @@ def _weighted_mean(pairs) -> float | None:
     return sum(v * w for v, w in finite) / total if total > 0 else None
 
 
+def _median_or_none(values) -> float | None:
+    finite = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(finite) if finite else None
+
+
 def _median_of_rounds(results: list[dict]) -> dict:
     merged = {}
     for key in results[0]:
@@ -91,6 +96,10 @@ def summarise_run(run_dir: Path) -> dict:
         "mean_recall": _weighted_mean((r["recall"], r["tokens"]) for r in ranks),
         "tokens": sum(row["tokens"] for row in rows),
         "final_loss": rows[-1]["loss"],
+        # layer-level DST: time in the per-layer all_gathers over the run, as rank 0 measured it (waits included)
+        "layer_exchange_seconds": sum(row.get("layer_exchange_seconds", 0.0) or 0.0 for row in rows),
+        "density_error_median": _median_or_none(row.get("density_error_median") for row in rows),
+        "density_error_p90": _median_or_none(row.get("density_error_p90") for row in rows),
         "loss_last5": statistics.mean(row["loss"] for row in tail),
     }
 
