@@ -59,9 +59,9 @@ def register(app: typer.Typer) -> None:
         density_stats: Optional[Path] = typer.Option(None, "--density-stats", help="Saved DensityStats state (JSON) as the mean density."),
         density_from: Optional[Path] = typer.Option(None, "--density-from", help="Calibrate mean, spread, length exponent and predictability from a real model's measured densities (bench_results/real/real.json); overrides --density-mean/--density-sigma/--length-exponent/--predicted-r2."),
         predicted_r2: float = typer.Option(0.0, "--predicted-r2", help="Share of per-document density variance the feature predictor explains (knowledge predicted)."),
-        knowledge: str = typer.Option("none", "--knowledge", help="What batching and the tuner know of each document's density: none (length and budget only), predicted (from cheap features, unseen documents) or remembered (observed in an earlier epoch)."),
+        knowledge: str = typer.Option("none", "--knowledge", help="What batching and the tuner know of each document's density, comma-separated levels: none (length and budget only), predicted (from cheap features, unseen documents), remembered (observed in an earlier epoch)."),
         ranks: str = typer.Option("8,64,512", "--ranks", help="World sizes to simulate, comma-separated (2..4096)."),
-        docs_per_rank: int = typer.Option(4, "--docs-per-rank", help="Documents per rank per step."),
+        docs_per_rank: str = typer.Option("4", "--docs-per-rank", help="Documents per rank per step (comma-separated: each is simulated)."),
         steps: Optional[int] = typer.Option(None, "--steps", help="Replay only this many steps (default: one epoch)."),
         seed: int = typer.Option(0, "--seed"),
         policies: str = typer.Option("random,tokens,kk-length,kk-flops,length-grouped,verl,sparsebalance", "--policies",
@@ -96,8 +96,7 @@ def register(app: typer.Typer) -> None:
             raise SimInputError("give exactly one of --lengths, --from-text-dir, --recipe, --synthetic, --long-tail")
         if too_long not in ("truncate", "drop", "error"):
             raise SimInputError(f"--too-long {too_long!r}: choose truncate, drop or error")
-        if knowledge not in KNOWLEDGE:
-            raise SimInputError(f"--knowledge {knowledge!r}: choose {', '.join(KNOWLEDGE)}")
+        levels = _name_list(knowledge, "--knowledge", KNOWLEDGE)
         if target not in ("mean", "fastest"):
             raise SimInputError(f"--target {target!r}: choose mean or fastest")
         if not 0.0 <= min_budget <= default_budget <= max_budget <= 1.0 or default_budget >= 1.0:
@@ -105,8 +104,7 @@ def register(app: typer.Typer) -> None:
         world_sizes = _int_list(ranks, "--ranks")
         if any(r < 1 or r > 65536 for r in world_sizes):
             raise SimInputError(f"--ranks {ranks!r}: world sizes must be between 1 and 65536")
-        if docs_per_rank < 1:
-            raise SimInputError("--docs-per-rank must be >= 1")
+        per_rank = _int_list(docs_per_rank, "--docs-per-rank")
         policy_names = _name_list(policies, "--policies", POLICIES)
         modes = _name_list(tuning, "--tuning", TUNING_MODES)
 
@@ -146,20 +144,22 @@ def register(app: typer.Typer) -> None:
         p = np.percentile(L, [50, 90, 99])
         console.print(f"{L.size} documents from {source}: median {p[0]:.0f}, p90 {p[1]:.0f}, p99 {p[2]:.0f}, "
                       f"max {L.max()} tokens; cost model {getattr(cost, 'name', type(cost).__name__)}", highlight=False)
-        base = SimConfig(world_size=world_sizes[0], docs_per_rank=docs_per_rank, token_cap=cap, seed=seed,
-                         policies=policy_names, tuning=modes, knowledge=knowledge,  # type: ignore[arg-type]
+        base = SimConfig(world_size=world_sizes[0], docs_per_rank=per_rank[0], token_cap=cap, seed=seed,
+                         policies=policy_names, tuning=modes, knowledge=levels[0],  # type: ignore[arg-type]
                          default_budget=default_budget, min_budget=min_budget, max_budget=max_budget,
                          grid_points=grid_points, target=target, tolerance=tolerance, steps=steps,
                          lookahead_steps=lookahead_steps, record_steps=plot_steps)
         from dataclasses import replace
 
         results = []
-        for R in world_sizes:
-            res = simulate(L, cost, dm, replace(base, world_size=R))
+        for R, dpr, level in [(R, d, k) for R in world_sizes for d in per_rank for k in levels]:
+            res = simulate(L, cost, dm, replace(base, world_size=R, docs_per_rank=dpr, knowledge=level))
             results.append(res)
             console.print(rep.table(res))
             if markdown:
                 console.print(rep.markdown(res), highlight=False, markup=False)
+        if len(results) > 1 and "sparsebalance" in policy_names:
+            console.print(rep.against_peer_markdown(results), highlight=False, markup=False)
         extra = {"source": source, "density_model": {"mean": density_mean, "sigma": density_sigma,
                  "length_exponent": length_exponent, "predicted_r2": predicted_r2,
                  "calibration": calibration.to_dict() if calibration else None}, "lengths_summary": {"count": int(L.size), "median": float(p[0]), "p90": float(p[1]),
@@ -174,7 +174,8 @@ def register(app: typer.Typer) -> None:
             out.mkdir(parents=True, exist_ok=True)
             rep.write_json(out / "simulation.json", results, extra)
             rep.plot_rank_load(results[0], out / "rank_load.png", steps=plot_steps)
-            rep.plot_speedup(results, out / "speedup_vs_ranks.png")
+            first = [r for r in results if r.config.docs_per_rank == per_rank[0] and r.config.knowledge == levels[0]]
+            rep.plot_speedup(first, out / "speedup_vs_ranks.png")
             console.print(f"wrote {out / 'simulation.json'}, {out / 'rank_load.png'}, {out / 'speedup_vs_ranks.png'}",
                           highlight=False)
 

@@ -8,8 +8,9 @@ the one implementation of length regrouping (the idea behind transformers'
 only in the sort key, and `verl` in forming steps by balanced bins instead of by sorting:
 
 - `length-grouped`: longest first;
-- `sparsebalance`: by length bucket (quarter octave), then by predicted time per token (the
-  expected-density part of the cost), heaviest first;
+- `sparsebalance`: by predicted time (the cost model at each document's known density), heaviest
+  first, so a step holds documents of equal cost, not only of equal length (with one document per
+  rank this *is* the partition);
 - `verl`: Karmarkar-Karp of the whole window into (steps x ranks) equal-count bins on verl's
   proxy; the bins, heaviest first, are cut into steps of `world_size` bins.
 """
@@ -29,9 +30,7 @@ def regroup_order(policy: str, lengths: np.ndarray, costs: np.ndarray | None) ->
     if policy == "length-grouped":
         return np.argsort(-lens, kind="stable")
     if policy == "sparsebalance":
-        per_token = costs / lens if costs is not None else np.zeros_like(lens)
-        length_bucket = np.floor(4.0 * np.log2(lens))
-        return np.lexsort((-per_token, -length_bucket))  # the last key sorts first
+        return np.argsort(-(costs if costs is not None else lens), kind="stable")
     raise ValueError(f"policy {policy!r} does not regroup by sorting")
 
 

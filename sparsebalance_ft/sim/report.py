@@ -75,6 +75,24 @@ def markdown(result: SimResult) -> str:
     return "\n".join(lines)
 
 
+def against_peer_markdown(results: Sequence[SimResult], policy: str = "sparsebalance") -> str:
+    """One line per (ranks, documents per rank, knowledge, tuning): `policy` against the best fair peer."""
+    lines = ["| ranks | docs/rank | knowledge | tuning | look-ahead | step time (s) | best peer | peer step time (s) "
+             "| speedup vs peer | budget (ours / peer) | budget spread (ours / peer) | bubble (ours / peer) |",
+             "|---:|---:|---|---|---:|---:|---|---:|---:|---|---|---|"]
+    for res in results:
+        cfg = res.config
+        for r in res.rows:
+            if r.policy != policy or not r.peer:
+                continue
+            p = res.row(r.peer, r.tuning)
+            lines.append(f"| {cfg.world_size} | {cfg.docs_per_rank} | {cfg.knowledge} | {r.tuning} | {r.lookahead} "
+                         f"| {_fmt_s(r.step_time)} | {p.policy} | {_fmt_s(p.step_time)} | **{r.vs_peer:.3f}x** "
+                         f"| {r.mean_budget:.3f} / {p.mean_budget:.3f} | {r.budget_spread:.3f} / {p.budget_spread:.3f} "
+                         f"| {100 * r.bubble:.1f}% / {100 * p.bubble:.1f}% |")
+    return "\n".join(lines)
+
+
 def plot_rank_load(result: SimResult, path: str | Path, steps: int = 4) -> None:
     """Per-rank compute time for the first `steps` steps, one row per policy (bars untuned; dashed: tuned max)."""
     import matplotlib
