@@ -45,9 +45,10 @@ class BalanceConfig(BaseModel):
     target: TargetRule = Field(
         "mean",
         description=(
-            "Target step time T* of the tuner. mean: the mean predicted time at the default budget, raised to the"
-            " slowest rank's time at min_budget when that is higher (no cut can go below it). fastest: that floor"
-            " alone (fastest step, most sparsity)."
+            "Target step time T* of the tuner. mean: the mean predicted time at the default budget over the ranks that"
+            " can absorb work (idle and padding-only ranks do not count), raised to the slowest rank's time at"
+            " min_budget when that is higher (no cut can go below it). fastest: that floor alone (fastest step, most"
+            " sparsity)."
         ),
     )
     headroom: float = Field(
