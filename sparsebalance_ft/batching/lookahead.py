@@ -5,7 +5,10 @@ Every policy that sees the look-ahead (`LOOKAHEAD_POLICIES`) gets the same windo
 holds comparable documents, then the sampler cuts them into steps and shuffles the steps. This is
 the one implementation of length regrouping (the idea behind transformers'
 `get_length_grouped_indices`: sort a mega-batch by length, cut it into batches); policies differ
-only in the sort key, and `verl` in forming steps by balanced bins instead of by sorting:
+only in the sort key, and `verl` in forming steps by balanced bins instead of by sorting.
+(transformers' function is not called: it sorts by length only, with its own torch generator and
+mega-batch size, while `sparsebalance` sorts by predicted time and every rank must draw the same
+order from numpy with the sampler's seed.)
 
 - `length-grouped`: longest first;
 - `sparsebalance`: by predicted time (the cost model at each document's known density), heaviest
