@@ -51,7 +51,7 @@ simulate: install
 	$(SBFT) simulate --from-text-dir $(STDLIB) --glob '**/*.py' --min-bytes 64 --max-len 131072 \
 		$(SIM_GRID) --out $(BENCH)/simulate
 	$(SBFT) simulate --long-tail 8000 --max-len 131072 $(SIM_GRID) --out $(BENCH)/simulate-long-tail
-	$(SBFT) simulate --from-text-dir $(STDLIB) --glob '**/*.py' --min-bytes 64 --max-len 131072 --ranks 8 \
+	$(SBFT) simulate --from-text-dir $(STDLIB) --glob '**/*.py' --min-bytes 64 --max-len 131072 --ranks 8 $(DENSITY_FROM) \
 		--scale-check --markdown --out $(BENCH)/simulate-references
 
 $(PROFILE): | install $(MODEL)/config.json

@@ -4,7 +4,8 @@ Input: the real-model benchmark's JSON (`bench_results/real/real.json`), whose `
 `{"budget", "block_size", "model", "documents": [{"kind", "source", "tokens", "density",
 "compression_ratio", "token_diversity"}], "summary"}`: one row per document run at `budget`.
 
-Fitted, on log density (the simulator's truth is `s_i * mean * (L / ref) ** -exponent`):
+Fitted, on log density (the simulator's truth is `s_i * mean * (L / ref) ** -exponent`), over the
+documents that did not keep every block (those are censored at 1.0):
 - `length_exponent`: minus the least-squares slope of log density on log length;
 - `mean`: the mean density at the reference length, with the lognormal spread's mean-one correction;
 - `sigma`: the standard deviation of the residual (content: what length does not explain);
@@ -24,6 +25,8 @@ import numpy as np
 
 from ..cost.documents import feature_matrix
 from .lengths import SimInputError
+
+DENSE = 0.999  # at or above: every causal block kept
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,11 @@ def calibrate(densities: dict[str, Any], ref_length: float = 8192.0) -> Calibrat
     """Fit the density model to a `real["densities"]` entry (see the module docstring)."""
     rows = [d for d in densities.get("documents", []) if d.get("density") and d.get("tokens")]
     rows = [d for d in rows if 0.0 < float(d["density"]) <= 1.0 and int(d["tokens"]) > 0]
+    # a document that kept every block (short ones: anchors cover it) says only "density >= 1": censored,
+    # it would flatten the length slope, so it is left out of the fit
+    rows = [d for d in rows if float(d["density"]) < DENSE]
     if len(rows) < 3:
-        raise SimInputError("density calibration: fewer than 3 usable documents (need tokens and a density in (0, 1])")
+        raise SimInputError("density calibration: fewer than 3 usable documents (need tokens and a density in (0, 1))")
     L = np.array([float(d["tokens"]) for d in rows])
     logd = np.log(np.array([float(d["density"]) for d in rows]))
     x = np.log(L / ref_length)

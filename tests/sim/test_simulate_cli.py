@@ -71,6 +71,8 @@ def test_density_calibration_from_the_real_model_contract(tmp_path):
         density = float(np.clip(0.3 * (tokens / 8192) ** -0.2 * np.exp(1.5 * (compression - 0.4)), 0.02, 1.0))
         docs.append({"kind": "code", "source": "stdlib", "tokens": tokens, "density": density,
                      "compression_ratio": compression, "token_diversity": float(rng.uniform(0.1, 0.5))})
+    docs += [{"kind": "prose", "source": "short", "tokens": 100, "density": 1.0, "compression_ratio": 0.5,
+              "token_diversity": 0.5}] * 5  # kept every block: censored, left out of the fit
     real = tmp_path / "real.json"
     real.write_text(json.dumps({"densities": {"budget": 0.5, "block_size": 64, "model": "fixture",
                                               "documents": docs, "summary": {}}}))
