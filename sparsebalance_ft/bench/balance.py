@@ -116,6 +116,27 @@ def run_configuration(recipe: Path, name: str, out_dir: Path, nproc: int, overri
     return summarise_run(run_dir)
 
 
+def bench_report(runs: dict[str, list[dict]], setup: dict) -> dict:
+    """Medians over rounds, and speedups as the median of each round's paired ratio (reference time /
+    configuration time in the same round): a machine whose load drifts between rounds moves both
+    sides of a pair alike, but not the medians of the two columns."""
+    summary = {name: _median_of_rounds(results) for name, results in runs.items()}
+    for reference in ("peer", "baseline"):
+        if reference in runs:
+            for name, results in runs.items():
+                ratios = [ref["train_time"] / r["train_time"] for ref, r in zip(runs[reference], results)]
+                summary[name][f"speedup_vs_{reference}"] = statistics.median(ratios)
+                summary[name][f"speedup_vs_{reference}_rounds"] = ratios
+    token_totals = {row["tokens"] for row in summary.values()}
+    return {**setup, "same_documents": len(token_totals) == 1, "results": summary}
+
+
+def summarise_bench(out_dir: Path, names: list[str], rounds: int, setup: dict) -> dict:
+    """`bench_report` from runs already on disk (`out_dir/roundN/NAME`), e.g. after a change to the summary."""
+    runs = {name: [summarise_run(out_dir / f"round{i}" / name) for i in range(rounds)] for name in names}
+    return bench_report(runs, setup)
+
+
 def run_balance_bench(
     recipe: Path, out_dir: Path, rounds: int = 1, nproc: int = 2, overrides: list[str] | None = None,
     configurations: list[str] | None = None, on_result=None,
@@ -130,14 +151,6 @@ def run_balance_bench(
             runs[name].append(result)
             if on_result:
                 on_result(round_index, name, result)
-    summary = {name: _median_of_rounds(results) for name, results in runs.items()}
-    for reference in ("peer", "baseline"):
-        if reference in summary:
-            base = summary[reference]["train_time"]
-            for row in summary.values():
-                row[f"speedup_vs_{reference}"] = base / row["train_time"]
-    token_totals = {row["tokens"] for row in summary.values()}
-    report = {"recipe": str(recipe), "nproc": nproc, "rounds": rounds, "overrides": overrides or [],
-              "same_documents": len(token_totals) == 1, "results": summary}
+    report = bench_report(runs, {"recipe": str(recipe), "nproc": nproc, "rounds": rounds, "overrides": overrides or []})
     (out_dir / "balance.json").write_text(json.dumps(report, indent=2))
     return report

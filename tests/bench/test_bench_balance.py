@@ -61,9 +61,10 @@ def test_runs_must_cover_whole_regrouping_blocks():
 
 def test_speedups_are_against_the_fair_peer_with_random_as_a_reference(tmp_path, monkeypatch):
     times = {"peer": 100.0, "baseline": 130.0, "sab+dst": 80.0}
+    load = iter([1.0] * 3 + [2.5] * 3 + [1.0] * 3)  # the machine slows down during round 1
 
     def fake(recipe, name, out_dir, nproc, overrides):
-        return {"train_time": times[name], "tokens": 5000, "bubble": 0.1}
+        return {"train_time": times[name] * next(load), "tokens": 5000, "bubble": 0.1}
 
     monkeypatch.setattr(bench, "run_configuration", fake)
     report = bench.run_balance_bench(tmp_path / "r.yaml", tmp_path, rounds=3, configurations=list(times))
@@ -71,7 +72,8 @@ def test_speedups_are_against_the_fair_peer_with_random_as_a_reference(tmp_path,
     assert results["sab+dst"]["speedup_vs_peer"] == pytest.approx(1.25)
     assert results["baseline"]["speedup_vs_peer"] == pytest.approx(100 / 130)
     assert results["sab+dst"]["speedup_vs_baseline"] == pytest.approx(130 / 80)
-    assert results["peer"]["train_times"] == [100.0] * 3 and report["same_documents"]
+    assert results["sab+dst"]["speedup_vs_peer_rounds"] == pytest.approx([1.25] * 3)  # paired within rounds
+    assert results["peer"]["train_times"] == [100.0, 250.0, 100.0] and report["same_documents"]
     assert bench.CONFIGURATIONS["peer"] == ["balance.batching=length-grouped", "balance.tuning=none"]
 
 
