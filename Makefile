@@ -45,9 +45,19 @@ bench-selection: install $(MODEL)/config.json
 bench-packing: install
 	$(SBFT) bench packing --tokens 4096,32768,131072 --repeats 20 --out $(BENCH)/packing.json
 
+
+# Every gain against the best fair peer (length-grouped or verl at the same 32-step look-ahead and
+# tuning); the density model is calibrated on the real model when its measurements are in the branch.
+REAL_DENSITIES := $(BENCH)/real/real.json
+DENSITY_FROM   := $(if $(wildcard $(REAL_DENSITIES)),--density-from $(REAL_DENSITIES),)
+SIM_GRID       := --ranks 8,64 --docs-per-rank 1,4 --knowledge none,predicted,remembered \
+		--policies length-grouped,verl,sparsebalance --tuning none,bidirectional,layer --markdown $(DENSITY_FROM)
 simulate: install
 	$(SBFT) simulate --from-text-dir $(STDLIB) --glob '**/*.py' --min-bytes 64 --max-len 131072 \
-		--ranks 8,64,512 --ablate-bucketing --scale-check --markdown --out $(BENCH)/simulate
+		$(SIM_GRID) --out $(BENCH)/simulate
+	$(SBFT) simulate --long-tail 8000 --max-len 131072 $(SIM_GRID) --out $(BENCH)/simulate-long-tail
+	$(SBFT) simulate --from-text-dir $(STDLIB) --glob '**/*.py' --min-bytes 64 --max-len 131072 --ranks 8 $(DENSITY_FROM) \
+		--scale-check --markdown --out $(BENCH)/simulate-references
 
 $(PROFILE): | install $(MODEL)/config.json
 	$(SBFT) profile recipes/bench-balance.yaml $(TINY) --threads 1 --out $@
@@ -55,11 +65,11 @@ $(PROFILE): | install $(MODEL)/config.json
 bench-profile: $(PROFILE)
 	$(SBFT) profile --threads 1 --validate $(PROFILE) recipes/bench-balance.yaml $(TINY) --report $(BENCH)/profile-validation.json
 
-# One document per rank per step (the recipe's setting), then two per rank.
+# One document per rank per step, two epochs over 32 documents (the second with remembered densities):
+# SparseBalance (per-step and layer-level DST) against the best fair peer, alternating, 3 rounds.
 bench-balance: install $(MODEL)/config.json $(PROFILE)
-	$(SBFT) bench balance recipes/bench-balance.yaml $(TINY) --set balance.profile=$(PROFILE) --rounds 3 --out $(BENCH)/balance
-	$(SBFT) bench balance recipes/bench-balance.yaml $(TINY) --set balance.profile=$(PROFILE) --rounds 1 \
-		--set training.docs_per_rank=2 --out $(BENCH)/balance-2docs
+	$(SBFT) bench balance recipes/bench-balance.yaml $(TINY) --set balance.profile=$(PROFILE) --rounds 3 \
+		--configs peer,sab+dst,sab+layer --out $(BENCH)/balance
 
 bench-accuracy: install
 	$(SBFT) bench accuracy --out $(BENCH)/accuracy --work $(RUNS)/accuracy

@@ -43,6 +43,7 @@ def register(app: typer.Typer) -> None:
         tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="Tokenizer dir: count --from-text-dir tokens exactly (slow)."),
         recipe: Optional[Path] = typer.Option(None, "--recipe", help="Take lengths from this recipe's dataset (tokenized and cached by the data loader)."),
         synthetic: Optional[int] = typer.Option(None, "--synthetic", help="N lognormal lengths (see --median, --sigma)."),
+        long_tail: Optional[int] = typer.Option(None, "--long-tail", help="N lengths of a long-tail mix: 70% 1-4K, 25% 4-32K, 5% 32-128K tokens."),
         median: float = typer.Option(12288, "--median", help="Median of --synthetic lengths."),
         sigma: float = typer.Option(1.0, "--sigma", help="Log-sigma of --synthetic lengths."),
         max_len: int = typer.Option(131072, "--max-len", help="Cap on document length (data.max_seq_len)."),
@@ -56,13 +57,16 @@ def register(app: typer.Typer) -> None:
         density_sigma: float = typer.Option(0.5, "--density-sigma", help="Log-sigma of per-document density around the mean."),
         length_exponent: float = typer.Option(0.0, "--length-exponent", help="Density ~ length^-x (longer documents sparser)."),
         density_stats: Optional[Path] = typer.Option(None, "--density-stats", help="Saved DensityStats state (JSON) as the mean density."),
-        knowledge: str = typer.Option("stats", "--knowledge", help="What batching and the tuner predict from: stats (length and budget only) or oracle (true per-document density)."),
+        density_from: Optional[Path] = typer.Option(None, "--density-from", help="Calibrate mean, spread, length exponent and predictability from a real model's measured densities (bench_results/real/real.json); overrides --density-mean/--density-sigma/--length-exponent/--predicted-r2."),
+        predicted_r2: float = typer.Option(0.0, "--predicted-r2", help="Share of per-document density variance the feature predictor explains (knowledge predicted)."),
+        knowledge: str = typer.Option("none", "--knowledge", help="What batching and the tuner know of each document's density, comma-separated levels: none (length and budget only), predicted (from cheap features, unseen documents), remembered (observed in an earlier epoch)."),
         ranks: str = typer.Option("8,64,512", "--ranks", help="World sizes to simulate, comma-separated (2..4096)."),
-        docs_per_rank: int = typer.Option(4, "--docs-per-rank", help="Documents per rank per step."),
+        docs_per_rank: str = typer.Option("4", "--docs-per-rank", help="Documents per rank per step (comma-separated: each is simulated)."),
         steps: Optional[int] = typer.Option(None, "--steps", help="Replay only this many steps (default: one epoch)."),
         seed: int = typer.Option(0, "--seed"),
-        policies: str = typer.Option("random,tokens,kk-length,kk-flops,sparsebalance", "--policies"),
-        tuning: str = typer.Option("none,bidirectional", "--tuning", help="Tuning modes: none, straggler-only, bidirectional."),
+        policies: str = typer.Option("random,tokens,kk-length,kk-flops,length-grouped,verl,sparsebalance", "--policies",
+                                     help="Batching policies: random, tokens, kk-length, kk-flops (one-step references), length-grouped and verl (the fair peers: same look-ahead) and sparsebalance."),
+        tuning: str = typer.Option("none,bidirectional,layer", "--tuning", help="Tuning modes: none, straggler-only, bidirectional, layer (per-step bidirectional, then layer-level DST on the measured work)."),
         default_budget: float = typer.Option(0.5, "--default-budget"),
         min_budget: float = typer.Option(0.1, "--min-budget"),
         max_budget: float = typer.Option(0.9, "--max-budget"),
@@ -70,30 +74,29 @@ def register(app: typer.Typer) -> None:
         tolerance: float = typer.Option(0.05, "--tolerance", min=0.0, max=0.99,
                                         help="Ranks within this share above T* are not cut (balance.tolerance)."),
         grid_points: int = typer.Option(17, "--grid-points"),
-        bucket_steps: int = typer.Option(32, "--bucket-steps", help="Windows regrouped by sparsebalance's bucketing."),
-        ablate_bucketing: bool = typer.Option(False, "--ablate-bucketing", help="Also run sparsebalance without bucketing."),
+        lookahead_steps: int = typer.Option(32, "--lookahead-steps", min=1, help="Steps every look-ahead policy (length-grouped, verl, sparsebalance) regroups together; 1: none."),
         out: Optional[Path] = typer.Option(None, "--out", help="Write simulation.json, rank_load.png and speedup_vs_ranks.png here."),
         plot_steps: int = typer.Option(4, "--plot-steps", help="Steps shown in rank_load.png."),
         scale_check: bool = typer.Option(False, "--scale-check", help="Also time partitioning 100,000 documents over 1,024 ranks."),
         markdown: bool = typer.Option(False, "--markdown", help="Print the tables as Markdown too."),
     ) -> None:
-        """Replay an epoch of every batching policy over simulated ranks; report step time, imbalance, bubble, speedup."""
+        """Replay an epoch of every batching policy over simulated ranks; report step time, imbalance, bubble, and speedup vs the best fair peer (length-grouped or verl at the same look-ahead and tuning)."""
         import numpy as np
 
         from sparsebalance_ft.batching import POLICIES
         from sparsebalance_ft.sim import (
-            DensityModel, SimConfig, SimInputError, TUNING_MODES, apply_cap, lengths_from_recipe,
-            lengths_from_text_dir, load_density_stats, load_lengths, simulate, synthetic_lengths, time_partition,
+            KNOWLEDGE, DensityModel, SimConfig, SimInputError, TUNING_MODES, apply_cap, lengths_from_recipe,
+            lengths_from_text_dir, load_calibration, long_tail_lengths, load_density_stats, load_lengths, simulate, synthetic_lengths,
+            time_partition,
         )
         from sparsebalance_ft.sim import report as rep
 
-        sources = [x for x in (lengths_file, text_dir, recipe, synthetic) if x is not None]
+        sources = [x for x in (lengths_file, text_dir, recipe, synthetic, long_tail) if x is not None]
         if len(sources) != 1:
-            raise SimInputError("give exactly one of --lengths, --from-text-dir, --recipe, --synthetic")
+            raise SimInputError("give exactly one of --lengths, --from-text-dir, --recipe, --synthetic, --long-tail")
         if too_long not in ("truncate", "drop", "error"):
             raise SimInputError(f"--too-long {too_long!r}: choose truncate, drop or error")
-        if knowledge not in ("stats", "oracle"):
-            raise SimInputError(f"--knowledge {knowledge!r}: choose stats or oracle")
+        levels = _name_list(knowledge, "--knowledge", KNOWLEDGE)
         if target not in ("mean", "fastest"):
             raise SimInputError(f"--target {target!r}: choose mean or fastest")
         if not 0.0 <= min_budget <= default_budget <= max_budget <= 1.0 or default_budget >= 1.0:
@@ -101,8 +104,7 @@ def register(app: typer.Typer) -> None:
         world_sizes = _int_list(ranks, "--ranks")
         if any(r < 1 or r > 65536 for r in world_sizes):
             raise SimInputError(f"--ranks {ranks!r}: world sizes must be between 1 and 65536")
-        if docs_per_rank < 1:
-            raise SimInputError("--docs-per-rank must be >= 1")
+        per_rank = _int_list(docs_per_rank, "--docs-per-rank")
         policy_names = _name_list(policies, "--policies", POLICIES)
         modes = _name_list(tuning, "--tuning", TUNING_MODES)
 
@@ -113,6 +115,8 @@ def register(app: typer.Typer) -> None:
             source = f"{text_dir} ({glob})"
         elif recipe is not None:
             L, source = lengths_from_recipe(recipe), f"recipe {recipe}"
+        elif long_tail is not None:
+            L, source = long_tail_lengths(long_tail, seed), "long-tail mix (70% 1-4K, 25% 4-32K, 5% 32-128K)"
         else:
             if synthetic < 1:
                 raise SimInputError("--synthetic needs a positive document count")
@@ -127,26 +131,38 @@ def register(app: typer.Typer) -> None:
 
         cost = _cost_model(profile, model, hf_config, flops_per_s)
         stats = load_density_stats(density_stats) if density_stats else None
+        calibration = load_calibration(density_from) if density_from else None
+        if calibration is not None:
+            density_mean, density_sigma = calibration.mean, calibration.sigma
+            length_exponent, predicted_r2 = calibration.length_exponent, calibration.predicted_r2
+            console.print(f"density calibrated on {calibration.documents} documents of {calibration.model} at budget "
+                          f"{calibration.budget:g}: mean {density_mean:.3f} at {calibration.ref_length:.0f} tokens, "
+                          f"log-sigma {density_sigma:.3f}, length exponent {length_exponent:.3f}, "
+                          f"feature predictor R^2 {predicted_r2:.3f}", highlight=False)
         dm = DensityModel(L, default_budget=default_budget, mean=density_mean, sigma=density_sigma,
-                          length_exponent=length_exponent, seed=seed, stats=stats)
+                          length_exponent=length_exponent, seed=seed, stats=stats, predicted_r2=predicted_r2)
         p = np.percentile(L, [50, 90, 99])
         console.print(f"{L.size} documents from {source}: median {p[0]:.0f}, p90 {p[1]:.0f}, p99 {p[2]:.0f}, "
                       f"max {L.max()} tokens; cost model {getattr(cost, 'name', type(cost).__name__)}", highlight=False)
-        base = SimConfig(world_size=world_sizes[0], docs_per_rank=docs_per_rank, token_cap=cap, seed=seed,
-                         policies=policy_names, tuning=modes, knowledge=knowledge,  # type: ignore[arg-type]
+        base = SimConfig(world_size=world_sizes[0], docs_per_rank=per_rank[0], token_cap=cap, seed=seed,
+                         policies=policy_names, tuning=modes, knowledge=levels[0],  # type: ignore[arg-type]
                          default_budget=default_budget, min_budget=min_budget, max_budget=max_budget,
-                         grid_points=grid_points, target=target, tolerance=tolerance, steps=steps, bucket_steps=bucket_steps,
-                         record_steps=plot_steps, ablate_bucketing=ablate_bucketing)
+                         grid_points=grid_points, target=target, tolerance=tolerance, steps=steps,
+                         lookahead_steps=lookahead_steps, record_steps=plot_steps)
         from dataclasses import replace
 
         results = []
-        for R in world_sizes:
-            res = simulate(L, cost, dm, replace(base, world_size=R))
+        for R, dpr, level in [(R, d, k) for R in world_sizes for d in per_rank for k in levels]:
+            res = simulate(L, cost, dm, replace(base, world_size=R, docs_per_rank=dpr, knowledge=level))
             results.append(res)
             console.print(rep.table(res))
             if markdown:
                 console.print(rep.markdown(res), highlight=False, markup=False)
-        extra = {"source": source, "lengths_summary": {"count": int(L.size), "median": float(p[0]), "p90": float(p[1]),
+        if len(results) > 1 and "sparsebalance" in policy_names:
+            console.print(rep.against_peer_markdown(results), highlight=False, markup=False)
+        extra = {"source": source, "density_model": {"mean": density_mean, "sigma": density_sigma,
+                 "length_exponent": length_exponent, "predicted_r2": predicted_r2,
+                 "calibration": calibration.to_dict() if calibration else None}, "lengths_summary": {"count": int(L.size), "median": float(p[0]), "p90": float(p[1]),
                                                        "p99": float(p[2]), "max": int(L.max())}}
         if scale_check:
             timing = time_partition(cost=cost)
@@ -158,7 +174,8 @@ def register(app: typer.Typer) -> None:
             out.mkdir(parents=True, exist_ok=True)
             rep.write_json(out / "simulation.json", results, extra)
             rep.plot_rank_load(results[0], out / "rank_load.png", steps=plot_steps)
-            rep.plot_speedup(results, out / "speedup_vs_ranks.png")
+            first = [r for r in results if r.config.docs_per_rank == per_rank[0] and r.config.knowledge == levels[0]]
+            rep.plot_speedup(first, out / "speedup_vs_ranks.png")
             console.print(f"wrote {out / 'simulation.json'}, {out / 'rank_load.png'}, {out / 'speedup_vs_ranks.png'}",
                           highlight=False)
 

@@ -331,7 +331,7 @@ def _route_signature(layout: Layout, window: int | None, sinks: bool) -> tuple:
 
 
 def _choose_route(controller, layer: int, qp, kp, layout: Layout, scale: float, window: int | None,
-                  sinks: bool):
+                  sinks: bool, recompute: bool = False):
     """The block selection of this layer call (None: run dense), and the torch kernel's plan.
 
     Hook point for layer-level dynamic sparsity: a change of the selection (for example dropping the
@@ -352,6 +352,12 @@ def _choose_route(controller, layer: int, qp, kp, layout: Layout, scale: float, 
             k_min=cfg.k_min, sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, scale=scale,
             force_density=None if full else forced, window=window,
         )
+        tuner = getattr(controller, "layer_tuner", None)
+        if tuner is not None and forced is None and not full:
+            # layer-level DST (balancer/layer_tuning.py): move this rank's selection toward the layer's target
+            sel = tuner.adjust(layer, sel, lambda b: select_blocks(
+                qp[0].detach(), kp[0].detach(), layout, **controller.selection_kwargs(b), k_min=cfg.k_min,
+                sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, scale=scale, window=window), recompute)
         plan = None
         if resolve_backend(cfg.backend, qp.device) == "torch":
             plan = make_plan(sel.indices[None], sel.counts[None], layout.num_blocks, cfg.chunk_blocks)
@@ -392,7 +398,7 @@ def sparse_attention_row(
     else:
         if recompute:
             warn_once(log, "checkpoint recompute found no selection from its forward; selecting again")
-        sel, plan = _choose_route(controller, layer, qp, kp, layout, scale, window, sinks is not None)
+        sel, plan = _choose_route(controller, layer, qp, kp, layout, scale, window, sinks is not None, recompute)
         if remember and not recompute:
             controller.keep_route(layer, row, CachedRoute(signature, sel, plan))
     t_sel = time.perf_counter() - t0

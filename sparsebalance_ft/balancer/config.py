@@ -7,8 +7,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import UserError
 
-BatchingPolicyName = Literal["random", "tokens", "kk-length", "kk-flops", "sparsebalance"]
-TuningMode = Literal["none", "straggler-only", "bidirectional"]
+BatchingPolicyName = Literal["random", "tokens", "kk-length", "kk-flops", "length-grouped", "verl", "sparsebalance"]
+TuningMode = Literal["none", "straggler-only", "bidirectional", "layer"]
 TargetRule = Literal["mean", "fastest"]
 
 
@@ -21,9 +21,22 @@ class BalanceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    batching: BatchingPolicyName = Field("random", description="How each step's documents are assigned to ranks.")
+    batching: BatchingPolicyName = Field(
+        "random",
+        description="How each step's documents are assigned to ranks. length-grouped and verl are the fair peers"
+        " (they see the same look-ahead as sparsebalance); random, tokens, kk-length and kk-flops see one step.",
+    )
+    lookahead_steps: int = Field(
+        32,
+        ge=1,
+        le=4096,
+        description="Steps whose documents length-grouped, verl and sparsebalance regroup together (1: none).",
+    )
     tuning: TuningMode = Field(
-        "none", description="Dynamic sparsity tuning: lower stragglers' budgets, and optionally raise the others'."
+        "none",
+        description="Dynamic sparsity tuning: lower stragglers' budgets, and optionally raise the others'. layer:"
+        " per-step bidirectional tuning, then, inside the step, every layer's measured work is exchanged and each"
+        " rank's selection moved toward the step's target (balancer/layer_tuning.py).",
     )
     min_budget: float = Field(0.1, ge=0.0, le=1.0, description="No rank's budget goes below this.")
     max_budget: float = Field(0.9, ge=0.0, le=1.0, description="No rank's budget goes above this.")
@@ -32,9 +45,10 @@ class BalanceConfig(BaseModel):
     target: TargetRule = Field(
         "mean",
         description=(
-            "Target step time T* of the tuner. mean: the mean predicted time at the default budget, raised to the"
-            " slowest rank's time at min_budget when that is higher (no cut can go below it). fastest: that floor"
-            " alone (fastest step, most sparsity)."
+            "Target step time T* of the tuner. mean: the mean predicted time at the default budget over the ranks that"
+            " can absorb work (idle and padding-only ranks do not count), raised to the slowest rank's time at"
+            " min_budget when that is higher (no cut can go below it). fastest: that floor alone (fastest step, most"
+            " sparsity)."
         ),
     )
     headroom: float = Field(
@@ -58,6 +72,8 @@ class BalanceConfig(BaseModel):
     def _bounds_ordered(self) -> "BalanceConfig":
         if self.min_budget > self.max_budget:
             raise ValueError(f"min_budget ({self.min_budget}) must not exceed max_budget ({self.max_budget})")
+        if self.tuning == "layer" and self.max_budget >= 1.0:
+            raise ValueError("tuning 'layer' needs max_budget < 1.0 (at 1.0 a layer runs dense and has no blocks to move)")
         return self
 
     def check_default_budget(self, default_budget: float) -> None:

@@ -191,15 +191,20 @@ class BalancerService:
         """This rank's predicted compute seconds on the budget grid ([G]); raises on bad input."""
         return predict_times(self.cost_model, self.stats, micro_batches, self.grid)
 
-    def decide(self, micro_batches: Sequence[Sequence[int]], step: int | None = None) -> BalanceDecision:
+    def decide(self, micro_batches: Sequence[Sequence[int]], step: int | None = None, densities=None) -> BalanceDecision:
         """Collective: call on every rank every step, with this rank's micro-batches' document lengths.
 
         `step` (optional) labels the decision; by default the service counts its own calls.
+        `densities` (optional): an object with `expected(lengths, budget)` that knows these very
+        documents (remembered or predicted per document); by default the length statistics.
+        With `tuning: layer` the per-step decision is the bidirectional one (the layer tuner then
+        corrects it inside the step).
         """
         started = time.perf_counter()
         if step is not None:
             self.step = int(step)
         rank, step, mode = self.rank, self.step, self.config.tuning
+        tune_mode = "bidirectional" if mode == "layer" else mode
         self.step += 1
         grid_n = self.grid.size
         layers = self.num_layers if self.config.per_layer else 0
@@ -211,7 +216,7 @@ class BalancerService:
 
         row = np.full(grid_n + layers, np.nan)
         try:
-            row[:grid_n] = self.predict(micro_batches)
+            row[:grid_n] = predict_times(self.cost_model, densities or self.stats, micro_batches, self.grid)
             if not np.isfinite(row[:grid_n]).all():
                 self._warn("rank %d step %d: prediction not finite; this rank keeps the default budget", rank, step)
         except Exception:
@@ -229,7 +234,7 @@ class BalancerService:
                 self.default_budget,
                 self.config.min_budget,
                 self.config.max_budget,
-                mode,
+                tune_mode,
                 self.config.target,
                 self.config.headroom,
                 self.config.tolerance,

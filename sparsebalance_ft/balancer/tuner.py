@@ -12,7 +12,8 @@ is well defined and found with one comparison per grid point.
 The target T* (documented choice). The step ends when the slowest rank ends, so the step's
 predicted time is max_r t_r(b_r). Two rules, `BalanceConfig.target`:
 
-- ``mean`` (default): T* = max(mean_r t_r(default), max_r t_r(MIN)). The mean keeps the step's
+- ``mean`` (default): T* = max(mean_r t_r(default), max_r t_r(MIN)), the mean over the ranks
+  that can absorb work (time rising with budget; idle and padding-only ranks cannot). The mean keeps the step's
   total attention work about where the untuned step had it: stragglers give up budget down to the
   mean, waiting ranks take budget up to it. The second term is the floor no cut can go under: a
   rank that is still slower than the mean at MIN is the bottleneck whatever the others do, so
@@ -135,7 +136,12 @@ def tune(
         raise ValueError("the budget grid must contain min_budget and max_budget (use budget_grid)")
 
     floor = float(tb[valid, 0].max())  # the slowest rank's time at MIN: no cut gets the step below it
-    target_time = floor if target == "fastest" else max(float(default_times[valid].mean()), floor)
+    # The mean is taken over the ranks that can absorb work (their time grows with budget): an idle
+    # or padding-only rank (flat row, often all zeros) would drag T* down and cut the working
+    # ranks for a share of work that nobody can take up.
+    absorbs = valid & (tb[:, -1] > tb[:, 0])
+    pool = absorbs if absorbs.any() else valid
+    target_time = floor if target == "fastest" else max(float(default_times[pool].mean()), floor)
 
     # Largest budget in [MIN, MAX] whose predicted time is at most the rank's threshold (T* for
     # stragglers, T*(1 - headroom) for the others): rows are monotone, so the grid points that

@@ -118,3 +118,43 @@ def lpt(weights: np.ndarray, k: int) -> list[np.ndarray]:
         owner[i] = p
         heapq.heappush(loads, (load + float(w[i]), p))
     return [np.flatnonzero(owner == p) for p in range(k)]
+
+
+def karmarkar_karp_equal(weights: np.ndarray, k: int) -> list[np.ndarray]:
+    """Karmarkar-Karp into `k` parts of equal item count (counts differ by at most one when k does not divide n).
+
+    The items, heaviest first, are cut into consecutive groups of `k`; each group starts as a k-tuple
+    holding one item per subset (the last group's missing items as empty subsets). The two tuples
+    with the largest spread are combined by pairing the heaviest subset of one with the lightest
+    of the other, until one tuple is left. Pairing one subset of each tuple with one of the other
+    keeps the counts equal. Deterministic (ties by creation order). Returns `k` index arrays.
+    """
+    w = np.asarray(weights, dtype=np.float64).reshape(-1)
+    n = int(w.shape[0])
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if n and (not np.all(np.isfinite(w)) or np.any(w < 0)):
+        raise ValueError("weights must be finite and non-negative")
+    if n == 0:
+        return [np.empty(0, dtype=np.int64) for _ in range(k)]
+    order = np.argsort(-w, kind="stable")
+    # a tuple: (subset sums [k], subset member lists [k]) with sums sorted heaviest first
+    tuples: list[tuple[np.ndarray, list[list[int]]]] = []
+    heap: list[tuple[float, int]] = []
+    for start in range(0, n, k):
+        items = order[start : start + k].tolist()
+        members = [[i] for i in items] + [[] for _ in range(k - len(items))]
+        sums = np.array([w[i] for i in items] + [0.0] * (k - len(items)))
+        tuples.append((sums, members))
+        heapq.heappush(heap, (-float(sums[0] - sums[-1]), len(tuples) - 1))
+    while len(heap) > 1:
+        _, tx = heapq.heappop(heap)
+        _, ty = heapq.heappop(heap)
+        (xs, xm), (ys, ym) = tuples[tx], tuples[ty]
+        sums = xs + ys[::-1]
+        members = [a + b for a, b in zip(xm, ym[::-1])]
+        o = np.argsort(-sums, kind="stable")
+        tuples.append((sums[o], [members[i] for i in o]))
+        heapq.heappush(heap, (-float(sums[o[0]] - sums[o[-1]]), len(tuples) - 1))
+    _, root = heap[0]
+    return [np.asarray(sorted(m), dtype=np.int64) for m in tuples[root][1]]

@@ -10,10 +10,17 @@ document indices, *before* padding (the sampler pads every rank to the same micr
 - `tokens`: first-fit decreasing by token count onto ranks (sample-packing style token balance).
 - `kk-length`: Karmarkar-Karp on length.
 - `kk-flops`: Karmarkar-Karp on the quadratic FLOP proxy `a*L + L^2`.
+- `length-grouped`: Karmarkar-Karp on the FLOP proxy, per step; across steps the sampler sorts the
+  look-ahead by length first (the idea of transformers' `get_length_grouped_indices`).
+- `verl`: Karmarkar-Karp into equal-count parts on verl's proxy `24576*L + L^2`; across steps the
+  sampler first partitions the whole look-ahead into steps x ranks equal-count bins the same way.
 - `sparsebalance`: Karmarkar-Karp on the cost model's predicted time per document (length and
-  expected density), then a local search that moves or swaps documents off the slowest rank.
-  (Its length-and-sparsity bucketing of windows across steps lives in the sampler, which owns
-  the epoch order.)
+  expected density), then a local search that moves or swaps documents off the slowest rank;
+  across steps the sampler sorts the look-ahead by length bucket and predicted time per token.
+
+The first four are one-step references (`random` is the plain shuffled sampler); the last three
+are the policies that see the look-ahead window (`LOOKAHEAD_POLICIES`), and `length-grouped` and
+`verl` are the fair peers every gain of `sparsebalance` is quoted against (`PEERS`).
 Policies other than `random` pack each rank's documents with first-fit decreasing.
 """
 from __future__ import annotations
@@ -22,14 +29,18 @@ from typing import Callable
 
 import numpy as np
 
-from .kk import karmarkar_karp
+from .kk import karmarkar_karp, karmarkar_karp_equal
 from .packing import first_fit_decreasing, first_fit_ranks, next_fit
 
-POLICIES = ("random", "tokens", "kk-length", "kk-flops", "sparsebalance")
+POLICIES = ("random", "tokens", "kk-length", "kk-flops", "length-grouped", "verl", "sparsebalance")
+LOOKAHEAD_POLICIES = ("length-grouped", "verl", "sparsebalance")
+PEERS = ("length-grouped", "verl")
 
 # Default `a` of the FLOP proxy a*L + L^2: the ratio of per-token linear FLOPs to the per-token^2
 # attention FLOPs of a dense Llama-8B-like model (6 * 8e9 / 9.2e5, about 52,000).
 DEFAULT_FLOPS_A = 52_000.0
+# `a` of verl's sequence-length balancing proxy a*L + L^2 (as verl describes it).
+VERL_FLOPS_A = 24_576.0
 
 RankParts = list[np.ndarray]  # per rank, positions into the window
 
@@ -120,8 +131,10 @@ def assign_ranks(
         return first_fit_ranks(lengths, world_size)
     if policy == "kk-length":
         return karmarkar_karp(lengths, world_size)
-    if policy == "kk-flops":
+    if policy in ("kk-flops", "length-grouped"):
         return karmarkar_karp(flops_proxy(lengths, flops_a), world_size)
+    if policy == "verl":
+        return karmarkar_karp_equal(flops_proxy(lengths, VERL_FLOPS_A), world_size)
     if policy == "sparsebalance":
         w = costs if costs is not None else flops_proxy(lengths, flops_a)
         return refine(karmarkar_karp(w, world_size), w)

@@ -7,12 +7,13 @@ every rank gets the same plan without communicating.
 
 Epoch order: a permutation of all documents drawn from `numpy.random.default_rng([seed, epoch])`.
 Step `s` takes the window `order[s*W:(s+1)*W]` with `W = docs_per_rank * world_size` (the last
-window may be shorter; nothing is dropped). For `sparsebalance`, windows are first regrouped
-inside blocks of `bucket_steps` windows: the block's documents are sorted by length bucket
-(quarter-octave) and, within a bucket, by predicted time per token (the expected-density part of
-the cost), cut into windows of comparable documents, and the windows are shuffled. The block's
-window order is computed once, when its first step is planned, with the `doc_cost` of that
-moment, and is cached and saved in `state_dict()` so a resumed run sees the same windows.
+window may be shorter; nothing is dropped). The policies that see a look-ahead
+(`LOOKAHEAD_POLICIES`: `length-grouped`, `verl`, `sparsebalance`) all get the same one: blocks of
+`lookahead_steps` windows, each block regrouped into steps of comparable documents by
+`lookahead.regroup_windows` (one implementation, the policy picks the key), the steps shuffled.
+A block's step order is computed once, when its first step is planned, with the `doc_cost` of
+that moment, and is cached and saved in `state_dict()` so a resumed run sees the same windows.
+The one-step references (`random`, `tokens`, `kk-length`, `kk-flops`) always see one step.
 
 Padding: every rank gets the same number of micro-batches (at least one); a rank with fewer
 real micro-batches gets empty lists `[]` at the end. An empty micro-batch means "no forward
@@ -30,13 +31,14 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .errors import BatchingError, DocumentTooLongError
-from .policies import DEFAULT_FLOPS_A, POLICIES, flops_proxy, plan_window
+from .lookahead import regroup_windows
+from .policies import DEFAULT_FLOPS_A, LOOKAHEAD_POLICIES, POLICIES, flops_proxy, plan_window
 
 DocCost = Callable[[np.ndarray], np.ndarray]
 """Predicted seconds (forward + backward) of each document, given global document indices."""
 
-STATE_VERSION = 1
-BUCKET_STEPS = 32  # windows that `sparsebalance` regroups together by length and cost
+STATE_VERSION = 2
+LOOKAHEAD_STEPS = 32  # default `balance.lookahead_steps`: windows the look-ahead policies regroup together
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,9 @@ class BatchSampler:
         doc_cost: predicted seconds per document, by global index; `sparsebalance` partitions by
             it (without it, by the FLOP proxy) and every plan reports per-rank predicted time.
             May be replaced between steps (`sampler.doc_cost = ...`).
-        flops_a: `a` of the `kk-flops` proxy `a*L + L^2`.
-        bucket_steps: windows regrouped together by `sparsebalance` (1 disables bucketing).
+        flops_a: `a` of the `kk-flops` / `length-grouped` proxy `a*L + L^2`.
+        lookahead_steps: windows a look-ahead policy regroups together (1: none); the one-step
+            references ignore it.
     """
 
     def __init__(
@@ -111,7 +114,7 @@ class BatchSampler:
         doc_cost: DocCost | None = None,
         *,
         flops_a: float = DEFAULT_FLOPS_A,
-        bucket_steps: int = BUCKET_STEPS,
+        lookahead_steps: int = LOOKAHEAD_STEPS,
     ) -> None:
         if policy not in POLICIES:
             raise BatchingError(f"balance.batching: unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -121,8 +124,8 @@ class BatchSampler:
             raise BatchingError(f"training.docs_per_rank must be >= 1, got {docs_per_rank}")
         if int(token_cap) < 1:
             raise BatchingError(f"token cap must be >= 1, got {token_cap}")
-        if int(bucket_steps) < 1:
-            raise BatchingError(f"bucket_steps must be >= 1, got {bucket_steps}")
+        if int(lookahead_steps) < 1:
+            raise BatchingError(f"balance.lookahead_steps must be >= 1, got {lookahead_steps}")
         arr = np.asarray(lengths)
         if arr.ndim != 1:
             raise BatchingError(f"document lengths must be a flat list, got shape {arr.shape}")
@@ -152,13 +155,14 @@ class BatchSampler:
         self.seed = int(seed)
         self.doc_cost = doc_cost
         self.flops_a = float(flops_a)
-        self.bucket_steps = int(bucket_steps) if policy == "sparsebalance" else 1
+        self.lookahead_steps = int(lookahead_steps) if policy in LOOKAHEAD_POLICIES else 1
         self.epoch = 0
         self.step = 0  # the next step the iterator yields
         self._digest = _lengths_digest(arr)
         self._groups: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self._order: tuple[int, np.ndarray] | None = None
         self._last_planned: tuple[int, int] | None = None
+        self.last_plan: StepPlan | None = None  # the trainer syncs the step's per-document densities over it
 
     # ---- geometry -------------------------------------------------------------------------
     @property
@@ -196,25 +200,18 @@ class BatchSampler:
         return c
 
     def _group_windows(self, epoch: int, group: int) -> np.ndarray:
-        """Documents of a bucketed block, reordered so consecutive windows hold comparable documents."""
+        """Documents of a look-ahead block, reordered so consecutive windows hold comparable documents."""
         key = (int(epoch), int(group))
         cached = self._groups.get(key)
         if cached is not None:
             self._groups.move_to_end(key)
             return cached
         order = self.epoch_order(epoch)
-        span = self.window * self.bucket_steps
+        span = self.window * self.lookahead_steps
         block = order[group * span : (group + 1) * span]
-        lens = self.lengths[block].astype(np.float64)
-        costs = self._costs(block)
-        per_token = costs / lens if costs is not None else np.zeros_like(lens)
-        length_bucket = np.floor(4.0 * np.log2(lens))
-        # heaviest first: np.lexsort sorts by the last key first, ascending, stably
-        srt = np.lexsort((-per_token, -length_bucket))
-        block = block[srt]
-        n_windows = math.ceil(block.shape[0] / self.window)
-        windows = [block[w * self.window : (w + 1) * self.window] for w in range(n_windows)]
-        perm = np.random.default_rng([self.seed, int(epoch), int(group), 1]).permutation(n_windows)
+        windows = [block[w] for w in regroup_windows(self.policy, self.lengths[block], self._costs(block),
+                                                      self.window, self.world_size)]
+        perm = np.random.default_rng([self.seed, int(epoch), int(group), 1]).permutation(len(windows))
         shuffled = np.concatenate([windows[i] for i in perm])
         # window offsets (the one short window of an epoch may land anywhere in its block)
         starts = np.cumsum([0] + [windows[i].shape[0] for i in perm])
@@ -228,9 +225,9 @@ class BatchSampler:
         """Global indices of the documents of one step, before assignment."""
         if not 0 <= int(step) < self.steps_per_epoch:
             raise ValueError(f"step {step} out of range: an epoch has {self.steps_per_epoch} steps")
-        if self.bucket_steps == 1:
+        if self.lookahead_steps == 1:
             return self.epoch_order(epoch)[step * self.window : (step + 1) * self.window]
-        group, local = divmod(int(step), self.bucket_steps)
+        group, local = divmod(int(step), self.lookahead_steps)
         packed = self._group_windows(epoch, group)
         n_windows = self._windows_in_group(group)
         starts = packed[: n_windows + 1]
@@ -238,7 +235,7 @@ class BatchSampler:
         return docs[starts[local] : starts[local + 1]]
 
     def _windows_in_group(self, group: int) -> int:
-        return min(self.bucket_steps, self.steps_per_epoch - group * self.bucket_steps)
+        return min(self.lookahead_steps, self.steps_per_epoch - group * self.lookahead_steps)
 
     def plan(self, epoch: int, step: int) -> StepPlan:
         docs = self.window_docs(epoch, step)
@@ -255,7 +252,8 @@ class BatchSampler:
             cost_of = dict(zip(docs.tolist(), costs.tolist()))
             predicted = np.array([sum(cost_of[d] for mb in r for d in mb) for r in mbs], dtype=np.float64)
         self._last_planned = (int(epoch), int(step))
-        return StepPlan(int(epoch), int(step), mbs, predicted)
+        self.last_plan = StepPlan(int(epoch), int(step), mbs, predicted)
+        return self.last_plan
 
     # ---- the training loop's view ---------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -284,12 +282,12 @@ class BatchSampler:
             "world_size": self.world_size,
             "docs_per_rank": self.docs_per_rank,
             "token_cap": self.token_cap,
-            "bucket_steps": self.bucket_steps,
+            "lookahead_steps": self.lookahead_steps,
             "num_docs": self.num_docs,
             "lengths_digest": self._digest,
             "group": None,
         }
-        # The bucketed block holding the next step to plan (after the last planned one; the
+        # The look-ahead block holding the next step to plan (after the last planned one; the
         # trainer may call plan() directly instead of iterating) was ordered with an earlier
         # doc_cost: keep it so a resumed run gets the same windows.
         nxt = (self.epoch, self.step)
@@ -297,8 +295,8 @@ class BatchSampler:
             e, s = self._last_planned
             nxt = (e, s + 1) if s + 1 < self.steps_per_epoch else (e + 1, 0)
         state["next"] = [int(nxt[0]), int(nxt[1])]
-        if self.bucket_steps > 1 and nxt[1] % self.bucket_steps:
-            group = nxt[1] // self.bucket_steps
+        if self.lookahead_steps > 1 and nxt[1] % self.lookahead_steps:
+            group = nxt[1] // self.lookahead_steps
             packed = self._groups.get((nxt[0], group))
             if packed is not None:
                 state["group"] = {"epoch": nxt[0], "index": group, "packed": packed.tolist()}
@@ -308,7 +306,7 @@ class BatchSampler:
         if state.get("version") != STATE_VERSION:
             raise BatchingError(f"cannot resume the batch sampler: state version {state.get('version')!r} is not {STATE_VERSION}")
         mine = self.state_dict()
-        for key in ("seed", "policy", "world_size", "docs_per_rank", "token_cap", "bucket_steps", "num_docs", "lengths_digest"):
+        for key in ("seed", "policy", "world_size", "docs_per_rank", "token_cap", "lookahead_steps", "num_docs", "lengths_digest"):
             if state.get(key) != mine[key]:
                 raise BatchingError(
                     f"cannot resume the batch sampler: {key} was {state.get(key)!r} in the checkpoint and is {mine[key]!r} now"

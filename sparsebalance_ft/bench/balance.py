@@ -1,4 +1,8 @@
-"""The balancing experiment: the same training run under five configurations, measured alternately.
+"""The balancing experiment: the same training run under several configurations, measured alternately.
+
+The baseline every speedup is quoted against is `peer`: the best fair peer (length-grouped
+Karmarkar-Karp on the FLOP proxy over the same look-ahead as `sparsebalance`) at the fixed default
+budget. `baseline` (random batching, fixed budget) stays as a reference row.
 
 Every configuration trains the same model from the same initialisation on the same documents,
 steps and seed, as real ranks (one process each, gloo on a CPU). Configurations run one after
@@ -6,8 +10,8 @@ another in rounds (baseline, SAB, DST, SAB+DST, dense, baseline, ...), so slow d
 shared machine hits all of them alike. Times come from each run's own metrics.jsonl: the sum of
 step times (start-up and model loading excluded), the step time as the slowest rank saw it.
 
-Same documents: `sparsebalance` batching regroups `BUCKET_STEPS` steps' documents at a time, so a
-run cut inside such a block would train a different subset of documents than the baseline. The
+Same documents: the look-ahead policies regroup `balance.lookahead_steps` steps' documents at a time,
+so a run cut inside such a block would train a different subset of documents than the others. The
 bench therefore requires `max_steps` to be a multiple of it, and checks after the runs that every
 configuration trained the same number of tokens.
 
@@ -25,15 +29,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..batching import BUCKET_STEPS
 from ..errors import UserError
 from ..train.metrics import read_metrics
 
 CONFIGURATIONS: dict[str, list[str]] = {
     "baseline": ["balance.batching=random", "balance.tuning=none"],
+    "peer": ["balance.batching=length-grouped", "balance.tuning=none"],
     "sab": ["balance.batching=sparsebalance", "balance.tuning=none"],
     "dst": ["balance.batching=random", "balance.tuning=bidirectional"],
     "sab+dst": ["balance.batching=sparsebalance", "balance.tuning=bidirectional"],
+    "sab+layer": ["balance.batching=sparsebalance", "balance.tuning=layer"],
     "dense": ["model.attn_implementation=sdpa", "balance.batching=random", "balance.tuning=none"],
 }
 
@@ -42,13 +47,13 @@ class BenchSetupError(UserError):
     """The recipe would make configurations train different documents (one line, exit 2)."""
 
 
-def check_same_documents(max_steps: int) -> None:
-    """Raise unless every configuration's run covers whole `sparsebalance` regrouping blocks."""
-    if max_steps % BUCKET_STEPS:
+def check_same_documents(max_steps: int, lookahead_steps: int) -> None:
+    """Raise unless every configuration's run covers whole look-ahead blocks."""
+    if max_steps % lookahead_steps:
         raise BenchSetupError(
-            f"training.max_steps ({max_steps}) must be a multiple of {BUCKET_STEPS}: sparsebalance batching"
-            f" regroups {BUCKET_STEPS} steps' documents at a time, and a run cut inside such a block would"
-            " train other documents than the baseline"
+            f"training.max_steps ({max_steps}) must be a multiple of balance.lookahead_steps ({lookahead_steps}):"
+            f" the look-ahead policies regroup {lookahead_steps} steps' documents at a time, and a run cut inside"
+            " such a block would train other documents than the others"
         )
 
 
@@ -57,6 +62,11 @@ def _weighted_mean(pairs) -> float | None:
     finite = [(v, w) for v, w in pairs if v is not None and not math.isnan(v)]
     total = sum(w for _, w in finite)
     return sum(v * w for v, w in finite) / total if total > 0 else None
+
+
+def _median_or_none(values) -> float | None:
+    finite = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(finite) if finite else None
 
 
 def _median_of_rounds(results: list[dict]) -> dict:
@@ -86,6 +96,10 @@ def summarise_run(run_dir: Path) -> dict:
         "mean_recall": _weighted_mean((r["recall"], r["tokens"]) for r in ranks),
         "tokens": sum(row["tokens"] for row in rows),
         "final_loss": rows[-1]["loss"],
+        # layer-level DST: time in the per-layer all_gathers over the run, as rank 0 measured it (waits included)
+        "layer_exchange_seconds": sum(row.get("layer_exchange_seconds", 0.0) or 0.0 for row in rows),
+        "density_error_median": _median_or_none(row.get("density_error_median") for row in rows),
+        "density_error_p90": _median_or_none(row.get("density_error_p90") for row in rows),
         "loss_last5": statistics.mean(row["loss"] for row in tail),
     }
 
@@ -102,6 +116,27 @@ def run_configuration(recipe: Path, name: str, out_dir: Path, nproc: int, overri
     return summarise_run(run_dir)
 
 
+def bench_report(runs: dict[str, list[dict]], setup: dict) -> dict:
+    """Medians over rounds, and speedups as the median of each round's paired ratio (reference time /
+    configuration time in the same round): a machine whose load drifts between rounds moves both
+    sides of a pair alike, but not the medians of the two columns."""
+    summary = {name: _median_of_rounds(results) for name, results in runs.items()}
+    for reference in ("peer", "baseline"):
+        if reference in runs:
+            for name, results in runs.items():
+                ratios = [ref["train_time"] / r["train_time"] for ref, r in zip(runs[reference], results)]
+                summary[name][f"speedup_vs_{reference}"] = statistics.median(ratios)
+                summary[name][f"speedup_vs_{reference}_rounds"] = ratios
+    token_totals = {row["tokens"] for row in summary.values()}
+    return {**setup, "same_documents": len(token_totals) == 1, "results": summary}
+
+
+def summarise_bench(out_dir: Path, names: list[str], rounds: int, setup: dict) -> dict:
+    """`bench_report` from runs already on disk (`out_dir/roundN/NAME`), e.g. after a change to the summary."""
+    runs = {name: [summarise_run(out_dir / f"round{i}" / name) for i in range(rounds)] for name in names}
+    return bench_report(runs, setup)
+
+
 def run_balance_bench(
     recipe: Path, out_dir: Path, rounds: int = 1, nproc: int = 2, overrides: list[str] | None = None,
     configurations: list[str] | None = None, on_result=None,
@@ -116,13 +151,6 @@ def run_balance_bench(
             runs[name].append(result)
             if on_result:
                 on_result(round_index, name, result)
-    summary = {name: _median_of_rounds(results) for name, results in runs.items()}
-    if "baseline" in summary:
-        base = summary["baseline"]["train_time"]
-        for row in summary.values():
-            row["speedup_vs_baseline"] = base / row["train_time"]
-    token_totals = {row["tokens"] for row in summary.values()}
-    report = {"recipe": str(recipe), "nproc": nproc, "rounds": rounds, "overrides": overrides or [],
-              "same_documents": len(token_totals) == 1, "results": summary}
+    report = bench_report(runs, {"recipe": str(recipe), "nproc": nproc, "rounds": rounds, "overrides": overrides or []})
     (out_dir / "balance.json").write_text(json.dumps(report, indent=2))
     return report

@@ -231,6 +231,15 @@ class DensityStats:
         dense = {i % n for i in self.config.dense_layers if -n <= i < n}
         return [i for i in range(n) if i not in dense]
 
+    def sparse_only(self, densities: np.ndarray) -> np.ndarray:
+        """A report's per-document densities (averaged over every layer, dense ones at 1.0) as densities of the sparse layers."""
+        dens = np.asarray(densities, dtype=np.float64)
+        sparse = self.sparse_layers()
+        if sparse is not None and 0 < len(sparse) < self.num_layers:
+            n, k = float(self.num_layers), float(len(sparse))
+            dens = np.clip((dens * n - (n - k)) / k, 0.0, 1.0)
+        return dens
+
     def observe_report(self, report: Any, budget: float | None = None) -> int:
         """Observe an `attention.AttentionReport`: its per-document densities at the run's budget.
 
@@ -248,10 +257,7 @@ class DensityStats:
             chosen = [budgets[i] for i in (sparse or range(len(budgets))) if i < len(budgets)]
             budget = float(np.mean(chosen)) if chosen else float(self.config.budget)
         lengths = np.array([n for n, _ in report.doc_densities], dtype=np.float64)
-        dens = np.array([d for _, d in report.doc_densities], dtype=np.float64)
-        if sparse is not None and 0 < len(sparse) < self.num_layers:
-            n, k = float(self.num_layers), float(len(sparse))
-            dens = np.clip((dens * n - (n - k)) / k, 0.0, 1.0)
+        dens = self.sparse_only(np.array([d for _, d in report.doc_densities], dtype=np.float64))
         self.observe(lengths, dens, budget)
         return int(lengths.size)
 

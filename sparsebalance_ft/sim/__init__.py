@@ -1,8 +1,8 @@
 """Cluster simulator: replays the batching policies, the tuner and the cost model without a model."""
-from .density import DensityModel, load_density_stats
-from .lengths import SimInputError, apply_cap, lengths_from_recipe, lengths_from_text_dir, load_lengths, synthetic_lengths
+from .calibration import Calibration, calibrate, load_calibration
+from .density import KNOWLEDGE, DensityModel, load_density_stats
+from .lengths import SimInputError, apply_cap, long_tail_lengths, lengths_from_recipe, lengths_from_text_dir, load_lengths, synthetic_lengths
 from .simulator import (
-    NO_BUCKET,
     TUNING_MODES,
     PolicyResult,
     SimConfig,
@@ -17,7 +17,10 @@ from .simulator import (
 
 __all__ = [
     "DensityModel",
-    "NO_BUCKET",
+    "KNOWLEDGE",
+    "Calibration",
+    "calibrate",
+    "load_calibration",
     "PolicyResult",
     "SimConfig",
     "SimInputError",
@@ -30,6 +33,7 @@ __all__ = [
     "lengths_from_text_dir",
     "load_density_stats",
     "load_lengths",
+    "long_tail_lengths",
     "simulate",
     "simulate_ranks",
     "synthetic_lengths",

@@ -141,3 +141,19 @@ def synthetic_lengths(n: int, median: float, sigma: float, max_len: int, seed: i
     rng = np.random.default_rng([seed, 7])
     L = np.rint(rng.lognormal(np.log(median), sigma, int(n)))
     return np.clip(L, min_len, max_len).astype(np.int64)
+
+
+LONG_TAIL_MIX = ((0.70, 1024, 4096), (0.25, 4096, 32768), (0.05, 32768, 131072))
+
+
+def long_tail_lengths(n: int, seed: int = 0, mix=LONG_TAIL_MIX) -> np.ndarray:
+    """A synthetic long-tail mix: by default 70% of documents 1-4K tokens, 25% 4-32K, 5% 32-128K,
+    log-uniform inside each range (the mix of a typical long-context fine-tuning set)."""
+    if n < 1:
+        raise SimInputError("--long-tail needs a positive document count")
+    rng = np.random.default_rng([seed, 7])
+    shares = np.array([m[0] for m in mix], dtype=np.float64)
+    which = rng.choice(len(mix), size=n, p=shares / shares.sum())
+    lo = np.log(np.array([m[1] for m in mix], dtype=np.float64))[which]
+    hi = np.log(np.array([m[2] for m in mix], dtype=np.float64))[which]
+    return np.exp(rng.uniform(lo, hi)).astype(np.int64)

@@ -46,28 +46,50 @@ def table(result: SimResult, title: str | None = None):
 
     cfg = result.config
     title = title or (f"{cfg.world_size} ranks, {result.num_docs} documents, {cfg.docs_per_rank} per rank per step, "
-                      f"{result.rows[0].steps if result.rows else 0} steps, predictions: {cfg.knowledge}")
+                      f"{result.rows[0].steps if result.rows else 0} steps, density knowledge: {cfg.knowledge}; "
+                      f"speedup vs the best fair peer at look-ahead {cfg.lookahead_steps} with the same tuning")
     t = Table(title=title)
-    for name, justify in (("policy", "left"), ("tuning", "left"), ("step time (s)", "right"), ("imbalance", "right"),
-                          ("bubble", "right"), ("speedup", "right"), ("mean budget", "right"),
-                          ("mean density", "right"), ("plan (s)", "right")):
+    for name, justify in (("policy", "left"), ("look-ahead", "right"), ("tuning", "left"), ("step time (s)", "right"),
+                          ("imbalance", "right"), ("bubble", "right"), ("vs peer", "right"), ("peer", "left"),
+                          ("vs random", "right"), ("mean budget", "right"), ("budget spread", "right"), ("mean density", "right"),
+                          ("plan (s)", "right")):
         t.add_column(name, justify=justify)
     best = min((r.imbalance for r in result.rows if r.tuning == "none"), default=None)
     for r in result.rows:
         imb = f"{r.imbalance:.3f}"
         if best is not None and r.tuning == "none" and r.imbalance == best:
             imb = f"[bold green]{imb}[/]"
-        t.add_row(r.policy, r.tuning, _fmt_s(r.step_time), imb, f"{100 * r.bubble:.1f}%", f"{r.speedup:.2f}x",
-                  f"{r.mean_budget:.3f}", f"{r.mean_density:.3f}", f"{r.plan_seconds:.2f}")
+        t.add_row(r.policy, str(r.lookahead), r.tuning, _fmt_s(r.step_time), imb, f"{100 * r.bubble:.1f}%",
+                  f"{r.vs_peer:.3f}x", r.peer, f"{r.vs_random:.2f}x", f"{r.mean_budget:.3f}", f"{r.budget_spread:.3f}", f"{r.mean_density:.3f}",
+                  f"{r.plan_seconds:.2f}")
     return t
 
 
 def markdown(result: SimResult) -> str:
-    lines = ["| policy | tuning | step time (s) | imbalance | bubble | speedup | mean budget |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| policy | look-ahead | tuning | step time (s) | imbalance | bubble | vs best peer | mean budget | budget spread | mean density |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result.rows:
-        lines.append(f"| {r.policy} | {r.tuning} | {_fmt_s(r.step_time)} | {r.imbalance:.3f} | {100 * r.bubble:.1f}% "
-                     f"| {r.speedup:.2f}x | {r.mean_budget:.3f} |")
+        lines.append(f"| {r.policy} | {r.lookahead} | {r.tuning} | {_fmt_s(r.step_time)} | {r.imbalance:.3f} "
+                     f"| {100 * r.bubble:.1f}% | {r.vs_peer:.3f}x ({r.peer}) | {r.mean_budget:.3f} | {r.budget_spread:.3f} "
+                     f"| {r.mean_density:.3f} |")
+    return "\n".join(lines)
+
+
+def against_peer_markdown(results: Sequence[SimResult], policy: str = "sparsebalance") -> str:
+    """One line per (ranks, documents per rank, knowledge, tuning): `policy` against the best fair peer."""
+    lines = ["| ranks | docs/rank | knowledge | tuning | look-ahead | step time (s) | best peer | peer step time (s) "
+             "| speedup vs peer | budget (ours / peer) | budget spread (ours / peer) | bubble (ours / peer) |",
+             "|---:|---:|---|---|---:|---:|---|---:|---:|---|---|---|"]
+    for res in results:
+        cfg = res.config
+        for r in res.rows:
+            if r.policy != policy or not r.peer:
+                continue
+            p = res.row(r.peer, r.tuning)
+            lines.append(f"| {cfg.world_size} | {cfg.docs_per_rank} | {cfg.knowledge} | {r.tuning} | {r.lookahead} "
+                         f"| {_fmt_s(r.step_time)} | {p.policy} | {_fmt_s(p.step_time)} | **{r.vs_peer:.3f}x** "
+                         f"| {r.mean_budget:.3f} / {p.mean_budget:.3f} | {r.budget_spread:.3f} / {p.budget_spread:.3f} "
+                         f"| {100 * r.bubble:.1f}% / {100 * p.bubble:.1f}% |")
     return "\n".join(lines)
 
 
@@ -111,7 +133,7 @@ def plot_rank_load(result: SimResult, path: str | Path, steps: int = 4) -> None:
 
 
 def plot_speedup(results: Sequence[SimResult], path: str | Path) -> None:
-    """Speedup over `random` (untuned) against world size, one line per policy and tuning mode."""
+    """Speedup over the best fair peer (same tuning) against world size, one line per policy and tuning mode."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,12 +144,12 @@ def plot_speedup(results: Sequence[SimResult], path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(7.0, 4.6))
     policies = list(dict.fromkeys(p for p, _ in keys))
     colors = {p: f"C{i % 10}" for i, p in enumerate(policies)}
-    styles = {"none": "-", "straggler-only": ":", "bidirectional": "--"}
+    styles = {"none": "-", "straggler-only": ":", "bidirectional": "--", "layer": "-."}
     for policy, tuning in keys:
         ys = []
         for r in results:
             try:
-                ys.append(r.row(policy, tuning).speedup)
+                ys.append(r.row(policy, tuning).vs_peer)
             except KeyError:
                 ys.append(np.nan)
         ax.plot(ranks, ys, marker="o", color=colors[policy], linestyle=styles.get(tuning, "-."),
@@ -136,7 +158,7 @@ def plot_speedup(results: Sequence[SimResult], path: str | Path) -> None:
     ax.set_xticks(ranks)
     ax.set_xticklabels([str(x) for x in ranks])
     ax.set_xlabel("ranks")
-    ax.set_ylabel("speedup over random (untuned)")
+    ax.set_ylabel("speedup over the best fair peer (same tuning)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

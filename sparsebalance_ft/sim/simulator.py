@@ -7,15 +7,26 @@ times from the `CostModel`, predictions from `DensityStats` (through `DensityMod
 Per step and policy: the sampler plans the step with `doc_cost` = the cost model at the predicted
 density at the default budget; each rank's predicted time at every budget of the tuner's grid is
 summed over its micro-batches; the hook picks per-rank budgets; the rank's simulated compute time
-is the cost model at each document's *true* density at the rank's budget. Per micro-batch, the
+is the cost model at each document's *true* density at the rank's budget. Tuning `layer` is the
+bidirectional per-step decision followed by layer-level DST (`balancer.layer_tuning`): every rank
+knows its true work at its budget, at MIN and at MAX, and the same rule moves it toward the
+target, with work linear between those points as the selection's counts are. The simulator's
+documents have one density for all layers, so the rule acts once per step, as it would on each
+of the identical layers. Per micro-batch, the
 cost model's non-additive part (`micro_batch_time - sum(doc_times)`: overheads, packing effects) is
 taken once at the default budget and added at every budget.
 
 Figures (compute = per-rank forward+backward time; step time = max over ranks + step overhead):
 - `epoch_time`: sum of step times; `step_time`: its mean per step;
+- `budget_spread`: token-weighted standard deviation of the budget each document ran at: what
+  tuning distorts (recall is concave in budget, so at one mean budget a wider spread loses recall);
+- `mean_budget`: token-weighted mean budget the documents ran at;
 - `imbalance`: sum over steps of max-rank compute / sum of mean-rank compute;
 - `bubble`: 1 - sum(mean) / sum(max), the share of rank-time spent waiting;
-- `speedup`: epoch time of `random` without tuning / this epoch time.
+- `vs_peer`: epoch time of the best fair peer (`length-grouped` or `verl`, the faster, at the same
+  look-ahead, knowledge and tuning) / this epoch time; `peer` names it;
+- `vs_random`: epoch time of `random` without tuning / this epoch time (a reference).
+Every row names its policy and the look-ahead it saw (1 for the one-step references).
 """
 from __future__ import annotations
 
@@ -26,14 +37,15 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..balancer.config import BalanceConfig
-from ..batching import BUCKET_STEPS, POLICIES, BatchSampler, StepPlan
+from ..balancer.layer_tuning import layer_target, move_toward
+from ..batching import LOOKAHEAD_POLICIES, LOOKAHEAD_STEPS, PEERS, POLICIES, BatchSampler, StepPlan
 from ..cost.model import CostModel
 from .density import DensityModel, Knowledge
 
 TuningHook = Callable[[np.ndarray, np.ndarray], np.ndarray]
 """(predicted times [ranks, grid], grid [budgets ascending]) -> per-rank budgets [ranks]."""
 
-TUNING_MODES = ("none", "straggler-only", "bidirectional")
+TUNING_MODES = ("none", "straggler-only", "bidirectional", "layer")
 
 
 def tuner_hook(mode: str, default_budget: float, min_budget: float, max_budget: float, target: str = "mean",
@@ -43,8 +55,10 @@ def tuner_hook(mode: str, default_budget: float, min_budget: float, max_budget: 
         return None
     from ..balancer.tuner import tune
 
+    step_mode = "bidirectional" if mode == "layer" else mode  # layer: the per-step decision, then in-step
+
     def hook(times: np.ndarray, grid: np.ndarray) -> np.ndarray:
-        return tune(times, grid, default_budget, min_budget, max_budget, mode=mode, target=target,
+        return tune(times, grid, default_budget, min_budget, max_budget, mode=step_mode, target=target,
                     tolerance=tolerance).budgets
 
     return hook
@@ -78,7 +92,7 @@ class SimConfig:
     seed: int = 0
     policies: tuple[str, ...] = POLICIES
     tuning: tuple[str, ...] = ("none", "bidirectional")
-    knowledge: Knowledge = "stats"
+    knowledge: Knowledge = "none"
     default_budget: float = 0.5
     min_budget: float = 0.1
     max_budget: float = 0.9
@@ -86,27 +100,28 @@ class SimConfig:
     target: str = "mean"
     tolerance: float = BalanceConfig.model_fields["tolerance"].default
     steps: int | None = None  # None: one full epoch
-    bucket_steps: int = BUCKET_STEPS
+    lookahead_steps: int = LOOKAHEAD_STEPS
     record_steps: int = 4
     flops_a: float | None = None
-    ablate_bucketing: bool = False  # also run `sparsebalance` without cross-step bucketing
-
-
-NO_BUCKET = "sparsebalance-nobucket"
 
 
 @dataclass
 class PolicyResult:
     policy: str
     tuning: str
+    lookahead: int
+    knowledge: str
     steps: int
     epoch_time: float
     step_time: float
     imbalance: float
     imbalance_step_mean: float
     bubble: float
-    speedup: float = float("nan")
+    vs_peer: float = float("nan")
+    peer: str = ""
+    vs_random: float = float("nan")
     mean_budget: float = float("nan")
+    budget_spread: float = float("nan")
     mean_density: float = float("nan")
     micro_batches: float = float("nan")
     plan_seconds: float = 0.0
@@ -176,17 +191,15 @@ def simulate(
 
     step_overhead = float(getattr(cost, "step_overhead", 0.0) or 0.0)
     rows: list[PolicyResult] = []
-    runs = [(p, p, config.bucket_steps) for p in config.policies]
-    if config.ablate_bucketing and "sparsebalance" in config.policies:
-        runs.append((NO_BUCKET, "sparsebalance", 1))
-    for label, policy, bucket_steps in runs:
+    for policy in config.policies:
         sampler = BatchSampler(lengths, R, policy, config.token_cap, config.docs_per_rank, config.seed, doc_cost,
-                               flops_a=flops_a, bucket_steps=bucket_steps)
+                               flops_a=flops_a, lookahead_steps=config.lookahead_steps)
         n_steps = sampler.steps_per_epoch if config.steps is None else min(int(config.steps), sampler.steps_per_epoch)
         t0 = time.perf_counter()
         plans = [sampler.plan(0, s) for s in range(n_steps)]
         plan_seconds = time.perf_counter() - t0
-        acc = {m: {"max": [], "mean": [], "budget": [], "dens_num": 0.0, "dens_den": 0.0, "loads": []} for m in hooks}
+        acc = {m: {"max": [], "mean": [], "dens_num": 0.0, "dens_den": 0.0, "loads": [],
+                   "b_num": 0.0, "b_sq": 0.0} for m in hooks}
         n_mb = []
         for s, plan in enumerate(plans):
             n_mb.append(plan.num_micro_batches)
@@ -221,13 +234,16 @@ def simulate(
                 dt = density.true(docs, bd)
                 t_docs = np.asarray(cost.doc_times(L, dt), dtype=np.float64)
                 compute = np.bincount(ranks, weights=t_docs, minlength=R) + corr_r
+                if mode == "layer" and docs.size:
+                    budgets, compute, dt = _layer_correction(budgets, compute, dt, docs, ranks, L, corr_r, cost,
+                                                             density, config.min_budget, config.max_budget)
                 a = acc[mode]
                 a["max"].append(float(compute.max()))
                 a["mean"].append(float(compute.mean()))
-                busy = np.bincount(ranks, minlength=R) > 0
-                a["budget"].append(float(budgets[busy].mean()) if busy.any() else b0)
                 a["dens_num"] += float((dt * L).sum())
                 a["dens_den"] += float(L.sum())
+                a["b_num"] += float((budgets[ranks] * L).sum())
+                a["b_sq"] += float((budgets[ranks] ** 2 * L).sum())
                 if s < config.record_steps:
                     a["loads"].append(compute.tolist())
         for mode, a in acc.items():
@@ -236,20 +252,55 @@ def simulate(
             with np.errstate(invalid="ignore", divide="ignore"):
                 per_step = np.where(mn > 0, mx / np.where(mn > 0, mn, 1.0), 1.0)
             rows.append(PolicyResult(
-                policy=label, tuning=mode, steps=len(mx), epoch_time=epoch,
+                policy=policy, tuning=mode, lookahead=sampler.lookahead_steps, knowledge=config.knowledge,
+                steps=len(mx), epoch_time=epoch,
                 step_time=epoch / max(len(mx), 1),
                 imbalance=float(mx.sum() / mn.sum()) if mn.sum() > 0 else 1.0,
                 imbalance_step_mean=float(per_step.mean()) if per_step.size else 1.0,
                 bubble=float(1.0 - mn.sum() / mx.sum()) if mx.sum() > 0 else 0.0,
-                mean_budget=float(np.mean(a["budget"])) if a["budget"] else b0,
+                mean_budget=a["b_num"] / a["dens_den"] if a["dens_den"] else b0,
                 mean_density=a["dens_num"] / a["dens_den"] if a["dens_den"] else float("nan"),
+                budget_spread=_weighted_std(a["b_num"], a["b_sq"], a["dens_den"]),
                 micro_batches=float(np.mean(n_mb)) if n_mb else 0.0,
                 plan_seconds=plan_seconds, rank_loads=a["loads"],
             ))
     base = next((r for r in rows if r.policy == "random" and r.tuning == "none"), None)
     for r in rows:
-        r.speedup = base.epoch_time / r.epoch_time if base is not None and r.epoch_time > 0 else float("nan")
+        r.vs_random = base.epoch_time / r.epoch_time if base is not None and r.epoch_time > 0 else float("nan")
+        peers = [p for p in rows if p.policy in PEERS and p.tuning == r.tuning]
+        if peers:
+            best = min(peers, key=lambda p: p.epoch_time)
+            r.peer, r.vs_peer = best.policy, best.epoch_time / r.epoch_time
     return SimResult(config, int(lengths.size), _describe(cost), rows)
+
+
+def _weighted_std(total: float, squares: float, weight: float) -> float:
+    if weight <= 0:
+        return float("nan")
+    mean = total / weight
+    return float(np.sqrt(max(squares / weight - mean * mean, 0.0)))
+
+
+def _layer_correction(budgets, compute, dt, docs, ranks, L, corr_r, cost, density, min_budget, max_budget):
+    """Layer-level DST on true work: each rank's time now, at MIN and at MAX, the shared rule, linear moves."""
+    R = budgets.size
+
+    def rank_times(b):
+        d = density.true(docs, np.full(docs.size, b) if np.isscalar(b) else b[ranks])
+        t = np.asarray(cost.doc_times(L, d), dtype=np.float64)
+        return np.bincount(ranks, weights=t, minlength=R) + corr_r, d
+
+    lo, d_lo = rank_times(float(min_budget))
+    hi, d_hi = rank_times(float(max_budget))
+    busy = np.bincount(ranks, minlength=R) > 0
+    rows = np.stack([compute, lo, hi], axis=1) * busy[:, None]
+    target = layer_target(rows)
+    alpha = np.array([move_toward(target, *rows[r].tolist()) if busy[r] else 0.0 for r in range(R)])
+    new_compute = np.where(alpha < 0, compute + alpha * (compute - lo), compute + alpha * (hi - compute))
+    new_budgets = np.where(alpha < 0, budgets + alpha * (budgets - min_budget), budgets + alpha * (max_budget - budgets))
+    a = alpha[ranks]
+    new_dt = np.where(a < 0, dt + a * (dt - d_lo), dt + a * (d_hi - dt))
+    return new_budgets, new_compute, new_dt
 
 
 def simulate_ranks(

@@ -159,7 +159,7 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
     params = [p for p in model.parameters() if p.requires_grad]
     _broadcast_trainable(params)
 
-    balancing = build_balancing(recipe, model, corpus.lengths, world)
+    balancing = build_balancing(recipe, model, corpus.lengths, world, documents=corpus)
     steps_per_epoch = balancing.sampler.steps_per_epoch
     if steps_per_epoch == 0:
         raise RuntimeError("the dataset has fewer documents than one step needs; lower training.docs_per_rank")
@@ -197,7 +197,8 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
             decision = balancing.before_step(mine)
             batches = [pack_documents(corpus, mb) for mb in mine if mb]
             global_targets = int(sum(corpus.target_tokens[i] for ranks in plan.micro_batches for mb in ranks for i in mb))
-            local = run_local_step(accelerator, model, batches, global_targets, params, recipe.training.loss)
+            local = run_local_step(accelerator, model, batches, global_targets, params, recipe.training.loss,
+                                   after_micro_batches=balancing.finish_micro_batches)
             if recipe.training.max_grad_norm:
                 accelerator.clip_grad_norm_(params, recipe.training.max_grad_norm)
             optimizer.step()
@@ -225,6 +226,7 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
             metrics = step_metrics(
                 state.step, state.epoch, scheduler.get_last_lr()[0], time.perf_counter() - step_start, records
             )
+            metrics.update(balancing.step_metrics())
             last_loss = metrics["loss"]
             if validation is not None and validation.due(state.step, total_steps):
                 metrics.update(validation.evaluate(accelerator, model, state.step, balancing.controller))

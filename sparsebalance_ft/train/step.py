@@ -62,7 +62,7 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
 
 
 def run_local_step(accelerator, model, batches: list[dict], global_target_tokens: int, params,
-                   loss_mode: str = "auto") -> LocalStep:
+                   loss_mode: str = "auto", after_micro_batches=None) -> LocalStep:
     device = accelerator.device
     start = time.perf_counter()
     loss_sum, target_tokens, tokens = 0.0, 0, 0
@@ -74,6 +74,8 @@ def run_local_step(accelerator, model, batches: list[dict], global_target_tokens
         loss_sum += float(loss.detach())
         target_tokens += count
         tokens += int(batch["input_ids"].numel())
+    if after_micro_batches is not None:  # e.g. layer-level DST: join the exchanges of micro-batches this rank lacks
+        after_micro_batches()
     _synchronize(device)
     compute_time = time.perf_counter() - start
 

@@ -196,3 +196,15 @@ def test_tolerance_leaves_small_predicted_gaps_alone():
     assert tune(wide, GRID, D, MIN, MAX, "bidirectional", tolerance=0.06).budgets[1] < D
     with pytest.raises(ValueError):
         tune(times, GRID, D, MIN, MAX, "bidirectional", tolerance=-0.1)
+
+
+def test_idle_ranks_do_not_drag_the_mean_target_down():
+    """Issue 15: an idle rank (predicted 0 at every budget) must not cut three equal working ranks."""
+    grid = budget_grid(0.1, 0.9, 0.5, 17)
+    working = 2.0 + 16.0 * grid  # 10 s at the default budget 0.5, rising with budget
+    times = np.vstack([np.zeros_like(grid), working, working, working])
+    result = tune(times, grid, 0.5, 0.1, 0.9, mode="bidirectional", target="mean")
+    assert result.target == pytest.approx(10.0)
+    assert np.allclose(result.budgets[1:], 0.5)
+    padding_only = np.vstack([np.full_like(grid, 0.3), working, working, working])  # flat: cannot absorb
+    assert np.allclose(tune(padding_only, grid, 0.5, 0.1, 0.9).budgets[1:], 0.5)

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from sparsebalance_ft.batching import karmarkar_karp, lpt, refine
+from sparsebalance_ft.batching import karmarkar_karp, karmarkar_karp_equal, lpt, refine
 
 
 def brute_force_max(w: np.ndarray, k: int) -> float:
@@ -100,3 +100,37 @@ def test_kk_scale_100k_items_1024_parts():
     elapsed = time.perf_counter() - t0
     check_partition(parts, 100_000, 1024)
     assert elapsed < 10.0, elapsed  # measured about 1.2 s on this machine; slack for shared CPUs
+
+
+def brute_force_equal_max(w: np.ndarray, k: int) -> float:
+    """Best max-load over partitions into k parts of n/k items each."""
+    n = len(w)
+    best = float("inf")
+    for owners in itertools.product(range(k), repeat=n):
+        if np.bincount(owners, minlength=k).tolist() != [n // k] * k:
+            continue
+        best = min(best, float(np.bincount(owners, weights=w, minlength=k).max()))
+    return best
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_kk_equal_counts_against_brute_force(k):
+    rng = np.random.default_rng(10 + k)
+    for _ in range(25):
+        n = k * int(rng.integers(1, 4))
+        w = rng.integers(1, 100, size=n).astype(float)
+        parts = karmarkar_karp_equal(w, k)
+        check_partition(parts, n, k)
+        assert all(p.size == n // k for p in parts)
+        got = max(float(w[p].sum()) for p in parts)
+        opt = brute_force_equal_max(w, k)
+        assert opt - 1e-9 <= got <= 1.5 * opt, (w, got, opt)
+
+
+def test_kk_equal_counts_when_k_does_not_divide():
+    w = np.random.default_rng(0).lognormal(8, 1.0, 103)
+    parts = karmarkar_karp_equal(w, 8)
+    check_partition(parts, 103, 8)
+    sizes = [p.size for p in parts]
+    assert max(sizes) - min(sizes) <= 1
+    assert max(w[p].sum() for p in parts) / (w.sum() / 8) < 1.1

@@ -7,7 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from sbft_cli.app import app
-from sparsebalance_ft.batching import BUCKET_STEPS
+from sparsebalance_ft.batching import LOOKAHEAD_STEPS
+from sparsebalance_ft.bench import balance as bench
 from sparsebalance_ft.bench.balance import BenchSetupError, check_same_documents, summarise_run
 
 
@@ -51,17 +52,36 @@ def test_dense_runs_have_no_sparsity_figures(tmp_path):
 
 
 def test_runs_must_cover_whole_regrouping_blocks():
-    check_same_documents(BUCKET_STEPS)
-    check_same_documents(3 * BUCKET_STEPS)
+    check_same_documents(LOOKAHEAD_STEPS, LOOKAHEAD_STEPS)
+    check_same_documents(3 * LOOKAHEAD_STEPS, LOOKAHEAD_STEPS)
+    check_same_documents(24, 8)
     with pytest.raises(BenchSetupError, match="multiple of"):
-        check_same_documents(BUCKET_STEPS + 8)
+        check_same_documents(LOOKAHEAD_STEPS + 8, LOOKAHEAD_STEPS)
+
+
+def test_speedups_are_against_the_fair_peer_with_random_as_a_reference(tmp_path, monkeypatch):
+    times = {"peer": 100.0, "baseline": 130.0, "sab+dst": 80.0}
+    load = iter([1.0] * 3 + [2.5] * 3 + [1.0] * 3)  # the machine slows down during round 1
+
+    def fake(recipe, name, out_dir, nproc, overrides):
+        return {"train_time": times[name] * next(load), "tokens": 5000, "bubble": 0.1}
+
+    monkeypatch.setattr(bench, "run_configuration", fake)
+    report = bench.run_balance_bench(tmp_path / "r.yaml", tmp_path, rounds=3, configurations=list(times))
+    results = report["results"]
+    assert results["sab+dst"]["speedup_vs_peer"] == pytest.approx(1.25)
+    assert results["baseline"]["speedup_vs_peer"] == pytest.approx(100 / 130)
+    assert results["sab+dst"]["speedup_vs_baseline"] == pytest.approx(130 / 80)
+    assert results["sab+dst"]["speedup_vs_peer_rounds"] == pytest.approx([1.25] * 3)  # paired within rounds
+    assert results["peer"]["train_times"] == [100.0, 250.0, 100.0] and report["same_documents"]
+    assert bench.CONFIGURATIONS["peer"] == ["balance.batching=length-grouped", "balance.tuning=none"]
 
 
 def test_cli_refuses_a_cut_block_and_unknown_configurations(write_recipe):
     recipe = write_recipe()
     runner = CliRunner()
-    cut = runner.invoke(app, ["bench", "balance", str(recipe), "--set", f"training.max_steps={BUCKET_STEPS - 8}"])
+    cut = runner.invoke(app, ["bench", "balance", str(recipe), "--set", f"training.max_steps={LOOKAHEAD_STEPS - 8}"])
     assert cut.exit_code == 2 and "multiple of" in cut.output
-    unknown = runner.invoke(app, ["bench", "balance", str(recipe), "--set", f"training.max_steps={BUCKET_STEPS}",
+    unknown = runner.invoke(app, ["bench", "balance", str(recipe), "--set", f"training.max_steps={LOOKAHEAD_STEPS}",
                                   "--configs", "baseline,turbo"])
     assert unknown.exit_code == 2 and "turbo" in unknown.output

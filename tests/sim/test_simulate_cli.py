@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -33,7 +35,10 @@ def test_simulate_writes_json_and_plots(tmp_path):
     assert "sparsebalance" in result.output and "| policy |" in result.output
     data = json.loads((out / "simulation.json").read_text())
     assert [r["config"]["world_size"] for r in data["runs"]] == [2, 4]
-    assert len(data["runs"][0]["rows"]) == 10
+    rows = data["runs"][0]["rows"]
+    assert len(rows) == 7 * 3  # every policy under none, bidirectional and layer
+    assert {(r["policy"], r["lookahead"]) for r in rows} >= {("length-grouped", 32), ("verl", 32), ("random", 1)}
+    assert all(r["peer"] in ("length-grouped", "verl") and r["vs_peer"] > 0 for r in rows)
     assert (out / "rank_load.png").stat().st_size > 1000
     assert (out / "speedup_vs_ranks.png").stat().st_size > 1000
 
@@ -43,8 +48,44 @@ def test_simulate_synthetic_and_text_dir(tmp_path):
         (tmp_path / f"f{i}.txt").write_text("word " * (50 * (i + 1) ** 2))
     result = run("--from-text-dir", tmp_path, "--ranks", "4", "--tuning", "none", "--policies", "random,sparsebalance")
     assert result.exit_code == 0, result.output
-    result = run("--synthetic", "200", "--median", "4000", "--ranks", "8", "--steps", "3", "--knowledge", "oracle")
+    result = run("--synthetic", "200", "--median", "4000", "--ranks", "8", "--steps", "3", "--knowledge", "remembered")
     assert result.exit_code == 0, result.output
+    result = run("--long-tail", "300", "--ranks", "8", "--knowledge", "predicted", "--predicted-r2", "0.5",
+                 "--policies", "length-grouped,verl,sparsebalance", "--lookahead-steps", "4")
+    assert result.exit_code == 0, result.output
+
+
+def test_help_lists_the_fair_peers():
+    result = run("--help")
+    assert result.exit_code == 0
+    assert "length-grouped" in result.output and "verl" in result.output and "--lookahead-steps" in result.output
+
+
+def test_density_calibration_from_the_real_model_contract(tmp_path):
+    """The reader of the real-model benchmark's density contract, on a small fixture."""
+    rng = np.random.default_rng(0)
+    docs = []
+    for i in range(40):
+        tokens = int(rng.integers(512, 8192))
+        compression = float(rng.uniform(0.2, 0.6))
+        density = float(np.clip(0.3 * (tokens / 8192) ** -0.2 * np.exp(1.5 * (compression - 0.4)), 0.02, 1.0))
+        docs.append({"kind": "code", "source": "stdlib", "tokens": tokens, "density": density,
+                     "compression_ratio": compression, "token_diversity": float(rng.uniform(0.1, 0.5))})
+    docs += [{"kind": "prose", "source": "short", "tokens": 100, "density": 1.0, "compression_ratio": 0.5,
+              "token_diversity": 0.5}] * 5  # kept every block: censored, left out of the fit
+    real = tmp_path / "real.json"
+    real.write_text(json.dumps({"densities": {"budget": 0.5, "block_size": 64, "model": "fixture",
+                                              "documents": docs, "summary": {}}}))
+    out = tmp_path / "out"
+    result = run("--synthetic", "300", "--ranks", "4", "--steps", "3", "--density-from", real, "--out", out)
+    assert result.exit_code == 0, result.output
+    model = json.loads((out / "simulation.json").read_text())["density_model"]
+    assert model["length_exponent"] == pytest.approx(0.2, abs=0.02)
+    assert model["predicted_r2"] > 0.8  # the fixture's density is a function of its compression ratio
+    assert model["calibration"]["documents"] == 40
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"densities": {"documents": "no"}}))
+    assert "densities.documents" in one_line_error(run("--synthetic", "10", "--density-from", bad))
 
 
 def one_line_error(result) -> str:
