@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .attention.config import SparsityConfig
 from .balancer.config import BalanceConfig
 from .errors import UserError
+from .modeling.hub import is_hub_id
 
 
 class RecipeError(UserError):
@@ -209,6 +210,8 @@ def check_recipe_paths(recipe: Recipe) -> None:
         ("balance.profile", recipe.balance.profile),
     ):
         if value is not None and not Path(value).exists():
+            if key in ("model.path", "data.tokenizer") and is_hub_id(value):
+                continue  # a hub id: loading says in one line if the hub cannot be reached
             raise RecipeError(f"{key}: path not found: {value}")
 
 
