@@ -3,8 +3,9 @@
 - code: the Python standard library sources of the running interpreter.
 - prose: the licence texts in /usr/share/common-licenses and the READMEs, changelogs and copyright notices
   under /usr/share/doc (identical texts, e.g. the many copies of one licence, counted once).
-- repetitive: a real passage (code or prose, 48-192 tokens) repeated to the document's length, the shape of
-  templated or generated text, where attention can find a near copy of every query in many places.
+- repetitive: a real passage (code or prose, 48-192 tokens, at most a quarter of the document) repeated to the
+  document's length, the shape of templated or generated text, where attention can find a near copy of every
+  query in many places.
 
 Each document is drawn with a target length (log-uniform between the bench's bounds) and truncated to it,
 so the length dependence is measured on real text rather than read off whichever files happen to be long.
@@ -110,7 +111,7 @@ def sample_documents(tokenizer, per_kind: int, min_tokens: int, max_tokens: int,
     passages = out["code"] + out["prose"]
     for length in draw_lengths(per_kind, min_tokens, max_tokens, rng):
         base = passages[int(rng.integers(len(passages)))]
-        span = int(rng.integers(48, 193))
+        span = min(int(rng.integers(48, 193)), max(8, length // 4))  # at least four copies in the document
         start = int(rng.integers(0, max(1, base.tokens - span)))
         passage = tokenizer.decode(base.ids[start:start + span].tolist())
         text = "\n".join([passage] * (length // max(1, span) + 2))

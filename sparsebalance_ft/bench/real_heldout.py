@@ -39,7 +39,7 @@ def mean_token_loss(model, docs: list[np.ndarray]) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for doc in docs:
-            ids = torch.as_tensor(doc, dtype=torch.long)[None]
+            ids = torch.tensor(doc, dtype=torch.long)[None]
             out = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], labels=ids)
             total += float(out.loss) * (ids.shape[1] - 1)
             count += ids.shape[1] - 1
