@@ -30,7 +30,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    path: str = Field(..., description="Local directory of a Hugging Face causal LM checkpoint.")
+    path: str = Field(..., description="Local directory of a Hugging Face causal LM checkpoint, or a hub id (owner/name; needs the network).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights dtype; auto picks bfloat16 where the device supports it, else float32."
     )

@@ -37,7 +37,7 @@ class FinetunePlan:
     @classmethod
     def make(cls, quick: bool) -> "FinetunePlan":
         if quick:
-            return cls(steps=4, tokens=1024, heldout_docs=2, passkey_lengths=[1024], passkey_depths=[0.5],
+            return cls(steps=4, tokens=512, heldout_docs=2, passkey_lengths=[1024], passkey_depths=[0.5],
                        passkey_samples=2)
         return cls()
 
