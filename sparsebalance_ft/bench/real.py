@@ -112,8 +112,7 @@ def run_real_bench(model_dir: Path, out_dir: Path, sections: list[str], plan: Re
     result = json.loads(path.read_text()) if path.is_file() else {}
     model, tokenizer = load_real_model(model_dir)
     config = SparsityConfig()
-    result["setup"] = {"model": str(model_dir), "plan": asdict(plan), "sparsity": config.model_dump(),
-                       "torch_threads": torch.get_num_threads()}
+    result["setup"] = {"model": str(model_dir), "sparsity": config.model_dump(), "torch_threads": torch.get_num_threads()}
     for name in SECTIONS:
         if name not in sections:
             continue
@@ -124,6 +123,7 @@ def run_real_bench(model_dir: Path, out_dir: Path, sections: list[str], plan: Re
             section = {"error": f"not run: {error}"}
             say(f"{name}: not run ({error})")
         section["elapsed_s"] = time.perf_counter() - started
+        section["bench_plan"] = asdict(plan)  # sections of one file may come from runs of different sizes
         result[name] = section
         path.write_text(json.dumps(result, indent=2) + "\n")
         say(f"{name}: done in {section['elapsed_s']:.0f}s")

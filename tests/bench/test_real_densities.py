@@ -2,7 +2,6 @@
 count of kept blocks from the selection, and the summary's fits on planted rows."""
 import numpy as np
 import pytest
-import torch
 
 from sparsebalance_ft.attention.config import SparsityConfig
 from sparsebalance_ft.bench.real_densities import densities_section, summarize
