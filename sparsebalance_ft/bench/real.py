@@ -126,5 +126,6 @@ def run_real_bench(model_dir: Path, out_dir: Path, sections: list[str], plan: Re
         section["bench_plan"] = asdict(plan)  # sections of one file may come from runs of different sizes
         result[name] = section
         path.write_text(json.dumps(result, indent=2) + "\n")
-        say(f"{name}: done in {section['elapsed_s']:.0f}s")
+        if "error" not in section:
+            say(f"{name}: done in {section['elapsed_s']:.0f}s")
     return result
