@@ -99,3 +99,19 @@ def test_check_perplexity_matches_a_direct_computation(tiny_model_dir, tiny_toke
         logits = model(input_ids=ids).logits[0, :-1]
     expected = math.exp(float(torch.nn.functional.cross_entropy(logits, ids[0, 1:])))
     assert real.check_perplexity(tiny_model_dir, tokens=64) == pytest.approx(expected, rel=1e-4)
+
+
+def test_command_prints_the_path_and_refuses_in_one_line(tmp_path, fake_conversion, gguf_file):
+    import typer
+    from typer.testing import CliRunner
+
+    from sbft_cli.init_model import register
+
+    app = typer.Typer()
+    register(app)
+    app.callback()(lambda: None)  # keeps `init-model` a subcommand
+    ok = CliRunner().invoke(app, ["init-model", "smollm2", str(tmp_path / "m"), "--gguf", str(gguf_file)])
+    assert ok.exit_code == 0, ok.output
+    assert ok.output.strip().splitlines()[-1] == str(tmp_path / "m") and "perplexity 10.60" in ok.output
+    bad = CliRunner().invoke(app, ["init-model", "gpt9", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "unknown model 'gpt9'" in bad.output
