@@ -203,6 +203,7 @@ def real(
     work: Path = typer.Option(Path("runs/bench-real"), "--work", help="Fine-tune runs and their data."),
     density_docs: Optional[int] = typer.Option(None, "--density-docs", min=1, help="Documents per kind for `densities`."),
     density_max_tokens: Optional[int] = typer.Option(None, "--density-max-tokens", min=256, help="Longest document for `densities`."),
+    density_time_limit: Optional[float] = typer.Option(None, "--density-time-limit", min=1, help="Stop `densities` after this many seconds."),
 ) -> None:
     """The sparse attention on a real pretrained model: selection curves, passkey, per-document densities, fine-tune."""
     from sparsebalance_ft.bench.real import RealPlan, run_real_bench
@@ -211,6 +212,7 @@ def real(
     plan = RealPlan.make(quick)
     plan.density_docs_per_kind = density_docs or plan.density_docs_per_kind
     plan.density_max_tokens = density_max_tokens or plan.density_max_tokens
+    plan.density_time_limit_s = density_time_limit or plan.density_time_limit_s
     run_real_bench(model, out, names, plan, work, say=lambda line: console.print(line, highlight=False))
     console.print(f"wrote {out / 'real.json'}")
 
