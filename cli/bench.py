@@ -268,6 +268,74 @@ def memory(
     console.print(table)
     console.print(f"wrote {out}")
 
+@bench_app.command("real")
+@user_errors
+def real(
+    model: Path = typer.Option(Path("runs/smollm2"), "--model", help="Real checkpoint folder (`sbft init-model smollm2 DIR`)."),
+    out: Path = typer.Option(Path("bench_results/real"), "--out", help="Folder for real.json."),
+    quick: bool = typer.Option(False, "--quick", help="Smaller sizes: about ten minutes on two CPU cores."),
+    sections: str = typer.Option(
+        "selection,passkey,densities,finetune", "--sections", help="Sections to run; others already in real.json are kept."
+    ),
+    work: Path = typer.Option(Path("runs/bench-real"), "--work", help="Fine-tune runs and their data."),
+    density_docs: Optional[int] = typer.Option(None, "--density-docs", min=1, help="Documents per kind for `densities`."),
+    density_max_tokens: Optional[int] = typer.Option(None, "--density-max-tokens", min=256, help="Longest document for `densities`."),
+    density_time_limit: Optional[float] = typer.Option(None, "--density-time-limit", min=1, help="Stop `densities` after this many seconds."),
+) -> None:
+    """The sparse attention on a real pretrained model: selection curves, passkey, per-document densities, fine-tune."""
+    from sparsebalance_ft.bench.real import RealPlan, run_real_bench
+
+    names = [name.strip() for name in sections.split(",") if name.strip()]
+    plan = RealPlan.make(quick)
+    plan.density_docs_per_kind = density_docs or plan.density_docs_per_kind
+    plan.density_max_tokens = density_max_tokens or plan.density_max_tokens
+    plan.density_time_limit_s = density_time_limit or plan.density_time_limit_s
+    run_real_bench(model, out, names, plan, work, say=lambda line: console.print(line, highlight=False))
+    console.print(f"wrote {out / 'real.json'}")
+
+
+@bench_app.command("heldout")
+@user_errors
+def heldout(
+    recipe_path: Path = typer.Argument(..., metavar="RECIPE", help="Recipe of the training run."),
+    run: Optional[Path] = typer.Option(None, "--run", help="Training output folder (its adapter/); none: base model only."),
+    heldout_glob: str = typer.Option("email/*.py", "--heldout-glob", help="Documents under data.path that training did not read."),
+    docs: int = typer.Option(4, "--docs", min=1, help="Held-out documents."),
+    tokens: int = typer.Option(1024, "--tokens", min=16, help="Tokens per held-out document."),
+    overrides: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key."),
+) -> None:
+    """Held-out loss before and after fine-tuning, with dense and with sparse attention at the recipe's budget."""
+    from sparsebalance_ft.bench.real_heldout import heldout_documents, heldout_losses
+    from sparsebalance_ft.errors import UserError
+    from sparsebalance_ft.recipe import load_recipe
+    from sparsebalance_ft.train.model import load_tokenizer
+
+    recipe = load_recipe(recipe_path, overrides or [])
+    adapter = None if run is None else run / "adapter"
+    if adapter is not None and not (adapter / "adapter_config.json").is_file():
+        raise UserError(f"--run: no trained adapter in {adapter}")
+    documents = heldout_documents(recipe, load_tokenizer(recipe), heldout_glob, docs, tokens)
+    with console.status(f"held-out loss on {len(documents)} documents ({heldout_glob})"):
+        result = heldout_losses(recipe, adapter, documents)
+    table = Table(title=f"held-out loss, {result['documents']} documents ({heldout_glob}), {result['tokens']} tokens; "
+                        f"sparse at budget {result['budget']:g}")
+    for col in ("model", "dense", "sparse", "sparse vs dense", "density", "recall"):
+        table.add_column(col, justify="right")
+    f = lambda x, p=3: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+    for name in ("base", "tuned"):
+        if name in result:
+            r = result[name]
+            table.add_row(name, f(r["dense"]), f(r["sparse"]), f"{r['sparse_vs_dense']:+.1%}", f(r["density"]),
+                          f(r["sampled_recall"]))
+    console.print(table)
+    if "tuned" in result:
+        change = result["tuned"]["dense"] - result["base"]["dense"]
+        console.print(f"fine-tuning changed the dense held-out loss by {change:+.3f} nats/token "
+                      f"({result['base']['dense']:.3f} -> {result['tuned']['dense']:.3f})", highlight=False)
+    if run is not None:
+        (run / "heldout.json").write_text(json.dumps(result, indent=2) + "\n")
+        console.print(f"wrote {run / 'heldout.json'}")
+
 
 def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")

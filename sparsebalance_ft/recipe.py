@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .attention.config import SparsityConfig
 from .balancer.config import BalanceConfig
 from .errors import UserError
+from .hub import is_hub_id
 
 
 class RecipeError(UserError):
@@ -29,7 +30,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    path: str = Field(..., description="Local directory of a Hugging Face causal LM checkpoint.")
+    path: str = Field(..., description="Local directory of a Hugging Face causal LM checkpoint, or a hub id (owner/name; needs the network).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights dtype; auto picks bfloat16 where the device supports it, else float32."
     )
@@ -245,8 +246,6 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, check_path
 
 def check_recipe_paths(recipe: Recipe) -> None:
     """Fail early, naming the key, when a local path the recipe points at does not exist."""
-    from .data.sources import looks_like_hub_id  # data paths may be Hub dataset ids, loaded later
-
     for key, value in (
         ("model.path", recipe.model.path),
         ("data.path", recipe.data.path),
@@ -254,9 +253,9 @@ def check_recipe_paths(recipe: Recipe) -> None:
         ("data.tokenizer", recipe.data.tokenizer),
         ("balance.profile", recipe.balance.profile),
     ):
-        if key in ("data.path", "data.eval_path") and value is not None and looks_like_hub_id(value):
-            continue
         if value is not None and not Path(value).exists():
+            if key != "balance.profile" and is_hub_id(value):
+                continue  # a hub id: loading says in one line if the hub cannot be reached
             raise RecipeError(f"{key}: path not found: {value}")
 
 

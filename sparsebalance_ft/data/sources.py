@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import UserError
+from ..hub import is_hub_id
 from ..recipe import DataConfig
 
 FORMATS = ("jsonl", "parquet", "text", "saved", "hub")
@@ -28,7 +28,6 @@ JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 # Marker files that `Dataset.save_to_disk` / `DatasetDict.save_to_disk` write.
 SAVED_MARKERS = ("state.json", "dataset_info.json", "dataset_dict.json")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class DataError(UserError):
@@ -40,15 +39,6 @@ class Document:
     text: str
     where: str
     messages: list | None = None  # the chat messages `text` was rendered from, for assistant-only labels
-
-
-def looks_like_hub_id(path: str) -> bool:
-    """`owner/name` that is not a local path (nor a data file's name): a Hub dataset id."""
-    return (
-        bool(_HUB_ID.match(path))
-        and not Path(path).exists()
-        and not _has_suffix(Path(path), JSONL_SUFFIXES + PARQUET_SUFFIXES + (".txt",))
-    )
 
 
 def _has_suffix(path: Path, suffixes: tuple[str, ...]) -> bool:
@@ -63,7 +53,7 @@ def detect_format(cfg: DataConfig) -> str:
     JSONL or Parquet if every matched file has that suffix, else a folder of text files.
     """
     path = Path(cfg.path)
-    if cfg.format == "hub" or (cfg.format == "auto" and looks_like_hub_id(cfg.path)):
+    if cfg.format == "hub" or (cfg.format == "auto" and is_hub_id(cfg.path)):
         return "hub"
     if not path.exists():
         raise DataError(f"{path}: data path not found")

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..hub import hub_failure, is_hub_id
 from ..recipe import Recipe
 
 
@@ -69,6 +70,8 @@ def load_tokenizer(recipe: Recipe):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as error:
+        if is_hub_id(path):
+            raise ModelLoadError(hub_failure(key, path, error)) from None
         raise ModelLoadError(f"{key}: cannot load a tokenizer from {path}: {str(error).splitlines()[0]}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -79,15 +82,21 @@ def load_base_model(recipe: Recipe):
     """The base model with the recipe's dtype and attention, registering `sparsebalance` first if asked."""
     from transformers import AutoModelForCausalLM
 
-    path = Path(recipe.model.path)
-    _require_checkpoint(path, "model.path")
+    path = recipe.model.path
+    if not is_hub_id(path):
+        _require_checkpoint(Path(path), "model.path")
     if recipe.model.attn_implementation == "sparsebalance":
         from ..attention import register_sparse_attention
 
         register_sparse_attention()
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=resolve_dtype(recipe.model.dtype), attn_implementation=recipe.model.attn_implementation
-    )
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=resolve_dtype(recipe.model.dtype), attn_implementation=recipe.model.attn_implementation
+        )
+    except OSError as error:
+        if is_hub_id(path):
+            raise ModelLoadError(hub_failure("model.path", path, error)) from None
+        raise
 
 
 def apply_lora(model, recipe: Recipe, adapter_dir: str | Path | None = None, trainable: bool = True):

@@ -8,18 +8,19 @@ import yaml
 
 from sparsebalance_ft.data import sources
 from sparsebalance_ft.data.corpus import load_corpus
-from sparsebalance_ft.data.sources import DataError, detect_format, looks_like_hub_id, read_documents
+from sparsebalance_ft.data.sources import DataError, detect_format, read_documents
+from sparsebalance_ft.hub import is_hub_id
 from sparsebalance_ft.recipe import DataConfig
 
 
 def test_what_reads_as_a_hub_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert looks_like_hub_id("roneneldan/TinyStories") and looks_like_hub_id("HuggingFaceFW/fineweb-edu")
-    assert not looks_like_hub_id("data/train.jsonl")  # a data file's name: a missing local file
-    assert not looks_like_hub_id("/abs/path") and not looks_like_hub_id("one-part") and not looks_like_hub_id("a/b/c")
+    assert is_hub_id("roneneldan/TinyStories") and is_hub_id("HuggingFaceFW/fineweb-edu")
+    assert not is_hub_id("data/train.jsonl")  # a data file's name: a missing local file
+    assert not is_hub_id("/abs/path") and not is_hub_id("one-part") and not is_hub_id("a/b/c")
     (tmp_path / "owner").mkdir()
     (tmp_path / "owner" / "name").write_text("local text")
-    assert not looks_like_hub_id("owner/name")  # a local path wins
+    assert not is_hub_id("owner/name")  # a local path wins
     with pytest.raises(DataError, match="^data/train.jsonl: data path not found$"):
         detect_format(DataConfig(path="data/train.jsonl"))
 
