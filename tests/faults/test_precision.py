@@ -12,6 +12,15 @@ from sparsebalance_ft.train.metrics import read_metrics
 from sparsebalance_ft.train.model import ModelLoadError, resolve_mixed_precision
 
 
+@pytest.fixture(autouse=True)
+def _default_precision_afterwards():
+    """accelerate keeps one precision per process: leave the next test module the default one."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def _first_loss(write_recipe, tmp_path, precision: str, attention: str) -> float:
     recipe = load_recipe(
         write_recipe(
