@@ -19,18 +19,24 @@ import heapq
 import numpy as np
 
 
+def _checked_weights(weights: np.ndarray, k: int) -> np.ndarray:
+    """The weights as a flat float64 array, after the checks both partitioners need."""
+    w = np.asarray(weights, dtype=np.float64).reshape(-1)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if w.size and (not np.all(np.isfinite(w)) or np.any(w < 0)):
+        raise ValueError("weights must be finite and non-negative")
+    return w
+
+
 def karmarkar_karp(weights: np.ndarray, k: int) -> list[np.ndarray]:
     """Partition positions 0..n-1 of `weights` into `k` parts; returns `k` index arrays.
 
     Parts are returned heaviest first; parts may be empty when n < k. Weights must be finite
     and non-negative.
     """
-    w = np.asarray(weights, dtype=np.float64).reshape(-1)
+    w = _checked_weights(weights, k)
     n = int(w.shape[0])
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if n and (not np.all(np.isfinite(w)) or np.any(w < 0)):
-        raise ValueError("weights must be finite and non-negative")
     if n == 0:
         return [np.empty(0, dtype=np.int64) for _ in range(k)]
     if k == 1:
@@ -129,12 +135,8 @@ def karmarkar_karp_equal(weights: np.ndarray, k: int) -> list[np.ndarray]:
     of the other, until one tuple is left. Pairing one subset of each tuple with one of the other
     keeps the counts equal. Deterministic (ties by creation order). Returns `k` index arrays.
     """
-    w = np.asarray(weights, dtype=np.float64).reshape(-1)
+    w = _checked_weights(weights, k)
     n = int(w.shape[0])
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if n and (not np.all(np.isfinite(w)) or np.any(w < 0)):
-        raise ValueError("weights must be finite and non-negative")
     if n == 0:
         return [np.empty(0, dtype=np.int64) for _ in range(k)]
     order = np.argsort(-w, kind="stable")

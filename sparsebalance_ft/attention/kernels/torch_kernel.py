@@ -399,18 +399,24 @@ class BlockSparseAttentionFn(torch.autograd.Function):
                 None, None, None, None)
 
 
-def _masked_forward(qr, kb, vb, plan: Plan, bs: int, scale: float, window: int | None, flash: bool):
-    """Every chunk of rows over its gathered kept blocks, with the chunk's additive causal/window mask."""
+def _chunk_gathers(qr, kb, vb, plan: Plan, bs: int, window: int | None, flash: bool):
+    """Per chunk of rows: (rows, flat kept-block ids, gathered K, gathered V, additive causal/window mask),
+    the same gathers for the forward and its backward."""
     d = qr.shape[-1]
-    out = torch.empty_like(qr)
-    lse = torch.empty(qr.shape[:3], dtype=_lse_dtype(qr.dtype), device=qr.device)
     mdtype = qr.dtype if flash else _lse_dtype(qr.dtype)
     for rows, kc in plan.chunks:
         gi = plan.gidx[rows, :kc].reshape(-1)
         n = rows.numel()
         kg = kb.index_select(0, gi).view(n, 1, kc * bs, d)
         vg = vb.index_select(0, gi).view(n, 1, kc * bs, d)
-        mask = _chunk_mask(plan, rows, kc, bs, window, mdtype, qr.device)
+        yield rows, gi, kg, vg, _chunk_mask(plan, rows, kc, bs, window, mdtype, qr.device)
+
+
+def _masked_forward(qr, kb, vb, plan: Plan, bs: int, scale: float, window: int | None, flash: bool):
+    """Every chunk of rows over its gathered kept blocks, with the chunk's additive causal/window mask."""
+    out = torch.empty_like(qr)
+    lse = torch.empty(qr.shape[:3], dtype=_lse_dtype(qr.dtype), device=qr.device)
+    for rows, _, kg, vg, mask in _chunk_gathers(qr, kb, vb, plan, bs, window, flash):
         o, l_ = _fwd_chunk(qr.index_select(0, rows), kg, vg, mask, scale, flash)
         out.index_copy_(0, rows, o)
         lse.index_copy_(0, rows, l_)
@@ -423,18 +429,12 @@ def _masked_backward(go, qr, kb, vb, out, lse, plan: Plan, bs: int, scale: float
     acc = torch.float32 if kb.dtype in (torch.float16, torch.bfloat16) else kb.dtype
     dk = torch.zeros(kb.shape, dtype=acc, device=kb.device)
     dv = torch.zeros(vb.shape, dtype=acc, device=vb.device)
-    mdtype = qr.dtype if flash else _lse_dtype(qr.dtype)
-    for rows, kc in plan.chunks:
-        gi = plan.gidx[rows, :kc].reshape(-1)
-        n = rows.numel()
-        kg = kb.index_select(0, gi).view(n, 1, kc * bs, d)
-        vg = vb.index_select(0, gi).view(n, 1, kc * bs, d)
-        mask = _chunk_mask(plan, rows, kc, bs, window, mdtype, qr.device)
+    for rows, gi, kg, vg, mask in _chunk_gathers(qr, kb, vb, plan, bs, window, flash):
         gq, gk, gv = _bwd_chunk(go.index_select(0, rows), qr.index_select(0, rows), kg, vg,
                                 out.index_select(0, rows), lse.index_select(0, rows), mask, scale, flash)
         dq.index_copy_(0, rows, gq.to(dq.dtype))
-        dk.index_add_(0, gi, gk.reshape(n * kc, bs, d).to(acc))
-        dv.index_add_(0, gi, gv.reshape(n * kc, bs, d).to(acc))
+        dk.index_add_(0, gi, gk.reshape(-1, bs, d).to(acc))
+        dv.index_add_(0, gi, gv.reshape(-1, bs, d).to(acc))
     return dq, dk.to(kb.dtype), dv.to(vb.dtype)
 
 
