@@ -22,15 +22,21 @@ class SparsityConfig(BaseModel):
     local_blocks: int = Field(2, ge=1, description="Most recent key blocks always kept, the diagonal block included.")
     selection: Literal["mass", "anchor"] = Field(
         "mass",
-        description="Which blocks beyond the anchors are kept. mass: the highest-ranked ones until `tau` of the "
-        "estimated mass is held; anchor: every one whose estimated log-share is within `anchor_margin` of the best "
+        description="Which blocks beyond the anchors are kept. mass: the highest-ranked ones until they hold `tau` "
+        "of the estimated mass the anchors leave; anchor: every one whose estimated log-share is within `anchor_margin` of the best "
         "non-diagonal anchor block's (the diagonal's when it is the only anchor).",
     )
     tau: float = Field(
-        0.9, gt=0.0, le=1.0, description="selection mass: share of estimated attention mass kept at the default budget."
+        0.8, gt=0.0, le=1.0, description="selection mass: share of the estimated mass outside the anchors that the "
+        "kept blocks hold at the default budget (0.8: loss within 1% of dense at 4K tokens on SmolLM2-135M).",
     )
     anchor_margin: float = Field(
         2.0, gt=0.0, description="selection anchor: log-share margin below the anchor reference at the default budget."
+    )
+    score_queries: int = Field(
+        4, ge=0, description="Query tokens per block whose exact attention also ranks the key blocks (the larger of "
+        "their mass share and the block-mean estimate counts): what lets a query keep the one block it retrieves "
+        "from. 0 ranks by block means alone.",
     )
     k_min: int = Field(4, ge=1, description="Fewest key blocks any query block keeps (anchors included).")
     k_max: int = Field(64, ge=1, description="Most key blocks a query block keeps at the default budget.")

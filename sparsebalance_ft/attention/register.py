@@ -16,7 +16,7 @@ document into chunk-long pieces in the block layout (a chunk boundary is a docum
 attention), so selection and kernels need nothing new.
 
 Host syncs per layer call on the sparse path (what stays, and why): `select_blocks` reads 2 maxima (the
-anchor and kept counts size its tensors), the torch kernel's `make_plan` reads the kept counts 3 times to
+longest causal span sizes its chunks, the largest kept count its result), the torch kernel's `make_plan` reads the kept counts 3 times to
 group rows into chunks (the torch backend only; on CUDA the default is flex, whose mask is built without
 any), `from_layout` reads 1 flag (whether padding was dropped) when the layout is not the identity, and
 recall sampling reads 4 values per sample (``recall_samples``, 0 switches it off). The documents and
@@ -350,14 +350,15 @@ def _choose_route(controller, layer: int, qp, kp, layout: Layout, scale: float, 
         sel: Selection = select_blocks(
             qp[0].detach(), kp[0].detach(), layout, **controller.selection_kwargs(1.0 if full else budget),
             k_min=cfg.k_min, sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, scale=scale,
-            force_density=None if full else forced, window=window,
+            force_density=None if full else forced, window=window, score_queries=cfg.score_queries,
         )
         tuner = getattr(controller, "layer_tuner", None)
         if tuner is not None and forced is None and not full:
             # layer-level DST (balancer/layer_tuning.py): move this rank's selection toward the layer's target
             sel = tuner.adjust(layer, sel, lambda b: select_blocks(
                 qp[0].detach(), kp[0].detach(), layout, **controller.selection_kwargs(b), k_min=cfg.k_min,
-                sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, scale=scale, window=window), recompute)
+                sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, scale=scale, window=window,
+                score_queries=cfg.score_queries), recompute)
         plan = None
         if resolve_backend(cfg.backend, qp.device) == "torch":
             plan = make_plan(sel.indices[None], sel.counts[None], layout.num_blocks, cfg.chunk_blocks)

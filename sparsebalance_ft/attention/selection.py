@@ -1,4 +1,4 @@
-"""Block selection: document-aligned block layout, anchors, pooled scoring, mass threshold and caps.
+"""Block selection: document-aligned block layout, anchors, block scoring, mass threshold and caps.
 
 The selection works on a *document-aligned layout*: every document of a packed row starts at a block
 boundary (its tail is padded with zeros up to the next boundary), so no block ever holds tokens of two
@@ -6,16 +6,21 @@ documents. Selection then never crosses documents by construction, a kept block 
 to its query block or is the diagonal block (causal triangle), and densities per document are simply
 kept blocks / causal blocks over that document's own block grid.
 
-Scoring (per key-value head group, query block i, key block j of the same document, j <= i):
-``s_ij = scale * mean_q(i) . mean_k(j) + log(n_j)`` where ``n_j`` is the number of real tokens of block
-j. ``exp(s_ij)`` approximates the unnormalised softmax mass of the whole block (the block's key mean
-stands for each of its keys), so a softmax over j gives an *estimated mass share* that is comparable
-across blocks and sums to one per query block. Shares are averaged over the query heads of a GQA group,
-which therefore share one selection. Anchors (the first ``sink_blocks`` blocks of the document and the
-``local_blocks`` most recent blocks, the diagonal included) are always kept; the other blocks are ranked
-by estimated share and added in rank order by one of two rules:
+Scoring (per key-value head group, query block i, key block j of the same document, j <= i) takes the
+larger of two estimates of the share of i's softmax mass that falls in j, renormalised to sum to one:
 
-- mass (``tau``): until anchors plus added blocks hold ``tau`` of the estimated mass;
+- block means: ``s_ij = scale * mean_q(i) . mean_k(j) + log(n_j)`` (``n_j`` real tokens in j); ``exp(s_ij)``
+  approximates the block's unnormalised mass when its key mean stands for each key. Smooth, it tracks what
+  most queries of the block read, but one key that one query needs drowns in its block's mean;
+- sampled queries: the exact softmax of ``score_queries`` tokens of block i (evenly spaced, the last real
+  token included) over every visible key, summed per key block. Sharp where the mean is blind: on
+  SmolLM2-135M a passkey's block is found by the question's tokens, not by the mean of their block.
+
+Shares are averaged over the query heads of a GQA group, which therefore share one selection. Anchors (the
+first ``sink_blocks`` blocks of the document and the ``local_blocks`` most recent blocks, the diagonal
+included) are always kept; the other blocks are ranked by share and added in rank order by one of two rules:
+
+- mass (``tau``): until the added blocks hold ``tau`` of the share the anchors leave (see `_within_mass`);
 - anchor (``margin``): every block whose log-share is at least the anchors' reference minus ``margin``. The
   reference is the largest log-share among the non-diagonal anchors (the sink and the previous local
   blocks), or the diagonal's when it is the only anchor. The diagonal is left out because its pooled score
@@ -32,6 +37,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 _NEG_INF = float("-inf")
 
@@ -163,6 +169,11 @@ def pooled(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     return s / layout.block_tokens.clamp(min=1).to(s.dtype)[None, :, None]
 
 
+# Elements of one chunk's largest temporary (the sampled queries' logits): about 16 MiB in float32 on CPU;
+# a GPU takes bigger chunks, because each chunk is a kernel launch and a few MiB more cost nothing there.
+_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
+
+
 @torch.no_grad()
 def select_blocks(
     q: torch.Tensor,
@@ -178,77 +189,131 @@ def select_blocks(
     scale: float,
     force_density: float | None = None,
     window: int | None = None,
+    score_queries: int = 4,
 ) -> Selection:
     """Select key blocks for one row. q: [Hq, padded, D], k: [Hkv, padded, D] in the layout.
 
-    Exactly one of `tau` (the mass rule) and `margin` (the anchor rule) is given."""
+    Exactly one of `tau` (the mass rule) and `margin` (the anchor rule) is given. Query blocks are scored and
+    selected in chunks, so no temporary grows with (query blocks x key blocks): the largest is one chunk's
+    sampled logits, `_CHUNK_ELEMENTS` elements. Host syncs: two reads (the longest causal span, sizing the
+    chunks, and the largest kept count, sizing the result)."""
     if (tau is None) == (margin is None):
         raise ValueError("select_blocks: give exactly one of tau (mass rule) and margin (anchor rule)")
     hq, hkv = q.shape[0], k.shape[0]
-    g = hq // hkv
-    nb = layout.num_blocks
-    dev = q.device
-    allowed = allowed_blocks(layout, window)
-    causal = allowed.sum(-1)
+    nb, dev = layout.num_blocks, q.device
     ar = torch.arange(nb, device=dev)
+    causal = causal_counts(layout, window)
+    lo = ar - causal + 1  # first allowed key block of each query block
     loosest = tau >= 1.0 if margin is None else margin == math.inf
-    full_budget = force_density is None and loosest and k_max >= nb
-    if force_density is not None and force_density >= 1.0:
-        full_budget = True
-    if full_budget:
-        # every allowed block, ascending; rows padded with their own diagonal (masked by counts)
-        key = torch.where(allowed, ar[None, :].expand(nb, nb), ar[:, None].expand(nb, nb) + nb)
-        K = int(causal.max())
-        idx = key.topk(K, dim=-1, largest=False, sorted=True).values
-        idx = torch.where(idx >= nb, idx - nb, idx)
-        idx = idx[None].expand(hkv, nb, K)
-        return Selection(idx, causal[None].expand(hkv, nb).clone(), causal, full=True)
+    if (force_density is None and loosest and k_max >= nb) or (force_density is not None and force_density >= 1.0):
+        # every allowed block, ascending; slots past a row's count hold its diagonal (masked by counts)
+        slot = torch.arange(int(causal.max()), device=dev)
+        idx = torch.where(slot[None, :] < causal[:, None], lo[:, None] + slot[None, :], ar[:, None])
+        return Selection(idx[None].expand(hkv, -1, -1), causal[None].expand(hkv, nb).clone(), causal, full=True)
 
-    qb = pooled(q, layout).view(hkv, g, nb, -1)
-    kb = pooled(k, layout).view(hkv, 1, nb, -1)
-    s = torch.matmul(qb, kb.transpose(-1, -2)).mul_(scale)
-    s.add_(layout.block_tokens.clamp(min=1).to(s.dtype).log()[None, None, None, :])
-    s.masked_fill_(~allowed, _NEG_INF)
-    p = torch.softmax(s, dim=-1).mean(1)  # [Hkv, nb, nb] estimated mass share
-    p.masked_fill_(~allowed, 0.0)
-    rel = ar[None, :] - layout.block_start[:, None]
-    anchor = allowed & ((rel < sink_blocks) | ((ar[:, None] - ar[None, :]) < local_blocks))
-    n_anchor = anchor.sum(-1)  # [nb]
-    prio = torch.where(anchor, 2.0 + (ar[:, None] == ar[None, :]).float(), p)
-    prio = prio.masked_fill(~allowed, -1.0)
-    if force_density is not None:
-        n = torch.round(force_density * causal.double()).long().clamp(min=1)
-        n = torch.minimum(n, causal)[None].expand(hkv, nb)
-        cap = int(n.max())
-        order = prio.topk(cap, dim=-1, sorted=True).indices
-    else:
-        cap = int(min(nb, max(k_max, int(n_anchor.max()))))
-        order = prio.topk(cap, dim=-1, sorted=True).indices if cap < nb else prio.argsort(-1, descending=True)
-        if margin is None:
-            ps = p.gather(-1, order)
-            excl = ps.cumsum(-1) - ps
-            n_thr = (excl < tau).sum(-1)
+    span = int(causal.max())
+    per_block = hq * max(1, score_queries) * span * layout.block_size
+    chunk = max(1, _CHUNK_ELEMENTS.get(dev.type, _CHUNK_ELEMENTS["cuda"]) // per_block)
+    cap = min(span, max(k_max, sink_blocks + local_blocks, k_min)) if force_density is None else \
+        int(forced_count(causal, force_density).max())
+    qb, kb = pooled(q, layout), pooled(k, layout)
+    picks, counts = [], []
+    for i0 in range(0, nb, chunk):
+        i1 = min(nb, i0 + chunk)
+        k0 = max(0, i0 - span + 1)  # the chunk's key blocks k0..i1-1 hold every allowed one
+        rows = ar[i0:i1]
+        j = ar[k0:i1]
+        allowed = (j[None, :] >= lo[rows, None]) & (j[None, :] <= rows[:, None])  # [C, nk]
+        p = _pooled_shares(qb[:, i0:i1], kb[:, k0:i1], layout.block_tokens[k0:i1], allowed, scale)
+        if score_queries > 0:
+            sampled = _sampled_shares(q, k, layout, i0, i1, k0, lo, window, scale, score_queries)
+            p = torch.maximum(p, sampled)
+            p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
+        anchor = allowed & (((j[None, :] - layout.block_start[rows, None]) < sink_blocks)
+                            | ((rows[:, None] - j[None, :]) < local_blocks))
+        n_anchor = anchor.sum(-1)  # [C]
+        prio = torch.where(anchor, 2.0 + (rows[:, None] == j[None, :]).float(), p).masked_fill(~allowed, -1.0)
+        order = prio.topk(min(cap, j.numel()), dim=-1, sorted=True).indices  # [Hkv, C, cap]
+        if force_density is not None:
+            n = forced_count(causal[i0:i1], force_density)[None].expand(hkv, -1)
         else:
-            n_thr = n_anchor[None] + _within_margin(p.log(), anchor, allowed, margin).sum(-1)
-        n = torch.maximum(n_thr, n_anchor[None])
-        n = n.clamp(min=k_min)
-        n = torch.minimum(n, torch.clamp(n_anchor, min=k_max)[None])
-        n = torch.minimum(n, causal[None])
+            if margin is None:
+                n_thr = n_anchor[None] + _within_mass(p, prio, order, allowed & ~anchor, tau)
+            else:
+                n_thr = n_anchor[None] + _within_margin(p.log(), anchor, allowed, rows - k0, margin).sum(-1)
+            n = torch.maximum(n_thr, n_anchor[None]).clamp(min=k_min)
+            n = torch.minimum(n, torch.clamp(n_anchor, min=k_max)[None])
+            n = torch.minimum(n, causal[None, i0:i1])
+        picks.append(F.pad(order + k0, (0, cap - order.shape[-1]), value=0))
+        counts.append(n)
+    n = torch.cat(counts, 1)
     K = int(n.max())
-    idx = order[..., :K].contiguous()
-    # pad invalid slots with the diagonal block (masked out by counts)
+    idx = torch.cat(picks, 1)[..., :K]
     slot = torch.arange(K, device=dev)
     idx = torch.where(slot[None, None, :] < n[..., None], idx, ar[None, :, None].expand_as(idx))
-    return Selection(idx, n.contiguous(), causal, full=False)
+    return Selection(idx.contiguous(), n.contiguous(), causal, full=False)
 
 
-def _within_margin(logp: torch.Tensor, anchor: torch.Tensor, allowed: torch.Tensor, margin: float) -> torch.Tensor:
-    """[Hkv, nb, nb] non-anchor allowed blocks whose log-share is within `margin` of the anchors' reference."""
-    nb = anchor.shape[0]
-    diag = torch.eye(nb, dtype=torch.bool, device=anchor.device)
-    side = anchor & ~diag
+def _within_mass(p: torch.Tensor, prio: torch.Tensor, order: torch.Tensor, rest: torch.Tensor,
+                 tau: float) -> torch.Tensor:
+    """[Hkv, C] non-anchor blocks to keep so that, taken in rank order, they hold `tau` of the estimated mass
+    outside the anchors (`rest`). A share of what the anchors leave, not of the total: sink and local blocks
+    often hold most of the mass, and a total share below theirs would keep nothing more at any budget."""
+    ps = p.gather(-1, order)
+    ps = ps.masked_fill(prio.gather(-1, order) >= 2.0, 0.0)  # anchors come first in the order; skip them
+    outside = (p * rest).sum(-1, keepdim=True)
+    before = ps.cumsum(-1) - ps
+    return ((before < tau * outside) & (ps > 0)).sum(-1)
+
+
+def _pooled_shares(qb: torch.Tensor, kb: torch.Tensor, block_tokens: torch.Tensor, allowed: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """[Hkv, C, nk] estimated mass share of each key block from block means: ``exp(scale * mean_q . mean_k)``
+    times the block's real tokens stands for the block's unnormalised softmax mass. Smooth over the whole
+    query block, but blind to a few keys that one query needs (their mean drowns in the block's)."""
+    hq, c, d = qb.shape
+    hkv = kb.shape[0]
+    s = torch.matmul(qb.reshape(hkv, hq // hkv, c, d), kb[:, None].transpose(-1, -2)).mul_(scale)
+    s.add_(block_tokens.clamp(min=1).to(s.dtype).log())
+    s.masked_fill_(~allowed, _NEG_INF)
+    return torch.softmax(s, dim=-1).mean(1).masked_fill_(~allowed, 0.0)
+
+
+def _sampled_shares(q: torch.Tensor, k: torch.Tensor, layout: Layout, i0: int, i1: int, k0: int, lo: torch.Tensor,
+                    window: int | None, scale: float, per_block: int) -> torch.Tensor:
+    """[Hkv, C, nk] exact softmax mass per key block of `per_block` query tokens of each query block (evenly
+    spaced, ending at its last real token), averaged over them and the group's query heads. Sharp where the
+    pooled estimate is blind: the block holding a retrieved fact gets the mass its reader gives it."""
+    hq, hkv, bs = q.shape[0], k.shape[0], layout.block_size
+    dev = q.device
+    rows = torch.arange(i0, i1, device=dev)
+    real = layout.block_tokens[rows].clamp(min=1)
+    t = torch.arange(1, per_block + 1, device=dev)
+    qpos = (rows[:, None] * bs + ((t[None, :] * real[:, None]) // per_block - 1).clamp(min=0)).reshape(-1)
+    kpos = torch.arange(k0 * bs, i1 * bs, device=dev)
+    kblock = kpos // bs
+    visible = ((kpos - kblock * bs) < layout.block_tokens[kblock])[None, :] & (kpos[None, :] <= qpos[:, None])
+    visible &= kblock[None, :] >= lo[qpos // bs, None]
+    if window is not None:
+        visible &= kpos[None, :] > qpos[:, None] - window
+    g, d = hq // hkv, q.shape[-1]
+    qs = q[:, qpos].reshape(hkv, g * qpos.numel(), d)
+    logits = torch.matmul(qs, k[:, k0 * bs:i1 * bs].transpose(-1, -2)).float().mul_(scale)  # in q's dtype
+    logits = logits.view(hkv, g, qpos.numel(), -1).masked_fill_(~visible, _NEG_INF)
+    prob = torch.softmax(logits, -1)  # every sampled token sees itself: no row is all -inf
+    per_key_block = prob.view(hkv, g, i1 - i0, per_block, -1, bs).sum(-1)
+    return per_key_block.mean((1, 3))
+
+
+def _within_margin(logp: torch.Tensor, anchor: torch.Tensor, allowed: torch.Tensor, diag: torch.Tensor,
+                   margin: float) -> torch.Tensor:
+    """[Hkv, C, nk] non-anchor allowed blocks whose log-share is within `margin` of the anchors' reference.
+    `diag`: each row's diagonal key block (column index)."""
+    on_diag = torch.zeros_like(anchor)
+    on_diag[torch.arange(anchor.shape[0], device=anchor.device), diag] = True
+    side = anchor & ~on_diag
     ref = logp.masked_fill(~side, _NEG_INF).amax(-1)
-    ref = torch.where(side.any(-1), ref, logp.diagonal(dim1=-2, dim2=-1))
+    ref = torch.where(side.any(-1), ref, logp.gather(-1, diag[None, :, None].expand(logp.shape[0], -1, 1))[..., 0])
     return allowed & ~anchor & (logp >= ref[..., None] - margin)
 
 

@@ -236,3 +236,48 @@ def test_recall_of_several_micro_batches_is_weighted_by_their_tokens():
     ctl.record(0, 0, [8000], one, one, recall=0.3)  # a long micro-batch, then a short one in the same step
     ctl.record(0, 0, [40, 60], np.ones(2), np.ones(2), recall=1.0)
     assert ctl.pop_report().layer_recall[0] == pytest.approx((0.3 * 8000 + 1.0 * 100) / 8100)
+
+
+def _kept_sets(sel) -> list[list[set[int]]]:
+    return [[set(sel.indices[h, i, : int(sel.counts[h, i])].tolist()) for i in range(sel.counts.shape[1])]
+            for h in range(sel.counts.shape[0])]
+
+
+@pytest.mark.parametrize("rule", [{"tau": 0.7}, {"margin": 1.0}])
+@pytest.mark.parametrize("docs,window", [([1024], None), ([300, 500, 64, 200], None), ([1500], 300)])
+@pytest.mark.parametrize("score_queries", [0, 4])
+def test_chunked_selection_equals_one_chunk(monkeypatch, rule, docs, window, score_queries):
+    """Selecting query blocks in chunks (bounded memory) keeps exactly the blocks one chunk keeps."""
+    from sparsebalance_ft.attention import selection
+
+    q, k = _qk(hq=6, hkv=2, length=sum(docs))
+    layout = make_layout(docs, 64)
+    qp, kp = (selection.to_layout(x[None], layout)[0] for x in (q, k))
+    kw = dict(rule, k_max=5, k_min=2, sink_blocks=1, local_blocks=2, scale=0.2, window=window,
+              score_queries=score_queries)
+    whole = select_blocks(qp, kp, layout, **kw)
+    monkeypatch.setitem(selection._CHUNK_ELEMENTS, "cpu", 1)  # one query block per chunk
+    chunked = select_blocks(qp, kp, layout, **kw)
+    assert torch.equal(whole.counts, chunked.counts)
+    assert _kept_sets(whole) == _kept_sets(chunked)
+
+
+def test_query_scoring_keeps_the_block_a_query_retrieves():
+    """One key token that only the last query token looks for (a needle): block means cannot see it, the
+    sampled query tokens' exact attention can. With them the last query block keeps the needle's block in
+    every head; ranked by block means alone (`score_queries=0`) it does not."""
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, length, d = 4, 2, 1024, 32
+    q = 0.3 * torch.randn(hq, length, d, generator=g)
+    k = 0.3 * torch.randn(hkv, length, d, generator=g)
+    needle, last = 300, length - 1
+    for h in range(hkv):
+        k[h, needle] = 6.0 * q[2 * h:2 * h + 2, last].mean(0) / q[2 * h:2 * h + 2, last].mean(0).norm()
+        q[2 * h:2 * h + 2, last] = 6.0 * k[h, needle] / k[h, needle].norm()
+    layout = make_layout([length], 64)
+    kw = dict(tau=0.3, k_max=4, k_min=2, sink_blocks=1, local_blocks=1, scale=d**-0.5)
+    needle_block, last_block = needle // 64, layout.num_blocks - 1
+    sampled = _kept_sets(select_blocks(q, k, layout, score_queries=4, **kw))
+    pooled_only = _kept_sets(select_blocks(q, k, layout, score_queries=0, **kw))
+    assert all(needle_block in head[last_block] for head in sampled)
+    assert not all(needle_block in head[last_block] for head in pooled_only)
