@@ -36,7 +36,7 @@ def test_partial_selection_equals_masked_reference(bs, window, flash, monkeypatc
     q, k, v = qkv(hq, hkv, length, d, dtype=torch.float64, seed=1)
     go = torch.randn(1, hq, length, d, dtype=torch.float64)
     layout = make_layout([length], bs)
-    sel = select_blocks(q[0].detach(), k[0].detach(), layout, tau=0.6, k_max=3, k_min=2, sink_blocks=1,
+    sel = select_blocks(q[0].detach(), k[0].detach(), layout, tau=0.6, k_max=2, k_min=2, sink_blocks=1,
                         local_blocks=1, scale=d**-0.5, window=window)
     assert (sel.counts < sel.causal[None]).any()
     idx, counts = sel.indices[None], sel.counts[None]
