@@ -443,30 +443,16 @@ def _threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _progress_bar(total: int, enabled: bool, label: str):
-    if not enabled:
-        return contextlib.nullcontext(None)
+@contextlib.contextmanager
+def _progress_bar(total: int, enabled: bool, label: str) -> Iterator[Callable[[str], None]]:
+    """A rich bar on stderr, advanced once per measurement and naming the cell it measured."""
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from rich.console import Console
-
-    progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[what]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                        console=Console(stderr=True), transient=False)
-
-    class _Bar:
-        def __enter__(self):
-            progress.__enter__()
-            self.task = progress.add_task(label, total=total, what="")
-            return self
-
-        def __exit__(self, *exc):
-            progress.__exit__(*exc)
-
-        def __call__(self, what: str) -> None:
-            progress.update(self.task, advance=1, what=what)
-
-    return _Bar()
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[what]}"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), disable=not enabled) as bar:
+        task = bar.add_task(label, total=total, what="")
+        yield lambda what: bar.update(task, advance=1, what=what)
 
 
 def profile_model(
