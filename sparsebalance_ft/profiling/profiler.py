@@ -256,15 +256,22 @@ class Cell:
 
 def measure_cells(cells: list[Cell], device: torch.device, warmup: int, repeats: int,
                   progress: Callable[[str], None] | None = None, clock: str = "wall") -> None:
-    """Warm-up pass(es), then `repeats` interleaved passes over every cell."""
-    for p in range(warmup + repeats):
-        for cell in cells:
+    """Warm-up pass(es), then `repeats` interleaved passes over every cell.
+
+    The garbage collector is off while cells run, so that no collection pause lands inside a timed run;
+    one full collection per pass keeps memory bounded (one per cell cost more than small cells themselves)."""
+    gc.disable()
+    try:
+        for p in range(warmup + repeats):
             gc.collect()
-            seconds = _timed(cell.run, device, clock)
-            if p >= warmup:
-                cell.samples.append(seconds)
-            if progress is not None:
-                progress(str(cell.key[0]))
+            for cell in cells:
+                seconds = _timed(cell.run, device, clock)
+                if p >= warmup:
+                    cell.samples.append(seconds)
+                if progress is not None:
+                    progress(str(cell.key[0]))
+    finally:
+        gc.enable()
 
 
 def random_micro_batches(count: int, max_len: int, token_cap: int, densities: list[float], seed: int = 0,

@@ -155,3 +155,14 @@ def test_progress_bar_advances_once_per_measurement(capsys):
         measure_cells(cells, torch.device("cpu"), warmup=1, repeats=2, progress=bar)
     assert [len(c.samples) for c in cells] == [2, 2]
     assert "6/6" in capsys.readouterr().err  # warm-up and timed passes over both cells
+
+
+def test_no_garbage_collection_inside_a_timed_run():
+    import gc
+
+    from sparsebalance_ft.profiling.profiler import Cell, measure_cells
+
+    seen = []
+    cells = [Cell((name,), lambda: seen.append(gc.isenabled())) for name in "ab"]
+    measure_cells(cells, torch.device("cpu"), warmup=1, repeats=2)
+    assert seen == [False] * 6 and gc.isenabled()  # and the collector is back on afterwards
