@@ -38,3 +38,11 @@ def test_resume_takes_an_optional_checkpoint(tmp_path):
     chosen = str(tmp_path / "run" / "checkpoint-30")  # named like a checkpoint: its value, even if missing
     assert optional_resume_value(["train", "r.yaml", "--resume", chosen]) == ["train", "r.yaml", "--resume", chosen]
     assert optional_resume_value(["train", "r.yaml", "--resume", str(tmp_path)])[2:] == ["--resume", str(tmp_path)]
+
+
+def test_a_finished_rank_runs_exit_handlers_and_flushes_before_it_leaves():
+    code = ("import atexit, sys; atexit.register(lambda: print('handler ran'));"
+            "from sbft_cli.common import end_finished_rank; print('unflushed', end=''); sys.stderr.write('err');"
+            "end_finished_rank(); print('never')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout == "unflushedhandler ran\n" and run.stderr == "err"
