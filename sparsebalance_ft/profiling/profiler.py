@@ -128,27 +128,15 @@ def register_noop_attention() -> None:
     AttentionInterface.register(NOOP_ATTENTION, _noop_attention)
 
 
-def _configs(model: torch.nn.Module) -> list[Any]:
-    seen: dict[int, Any] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            seen.setdefault(id(config), config)
-    return list(seen.values())
-
-
 @contextlib.contextmanager
 def attention_swapped(model: torch.nn.Module, implementation: str) -> Iterator[None]:
     """Temporarily route every attention module of `model` to another registered implementation."""
-    configs = _configs(model)
-    before = [c._attn_implementation for c in configs]
+    before = model.config._attn_implementation
     try:
-        for c in configs:
-            c._attn_implementation = implementation
+        model.set_attn_implementation(implementation)
         yield
     finally:
-        for c, b in zip(configs, before):
-            c._attn_implementation = b
+        model.set_attn_implementation(before)
 
 
 def model_config(model: torch.nn.Module) -> Any:
