@@ -73,16 +73,19 @@ def as_rank(log_dir: str | Path):
         yield
 
 
-def end_finished_rank() -> None:
-    """Leave a launched rank whose work is done and saved: exit handlers run and output is flushed, then
-    the process ends without the interpreter's teardown, which freed torch's objects one by one for
-    2.5-3 s per rank here (a failing rank already leaves this way: `train.launch.rank_errors`)."""
+def exit_without_teardown(code: int | str | None) -> None:
+    """End the `sbft` process as `sys.exit(code)` would, less the interpreter's teardown: exit handlers run
+    and output is flushed, but freeing torch's objects one by one took 2-3 s after a training run (its
+    work already saved and closed); a failing rank already leaves this way (`train.launch.rank_errors`)."""
     import atexit
 
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code or 0)
 
 
 def refuse_single_process_of_many() -> None:

@@ -9,7 +9,7 @@ import typer
 
 from sparsebalance_ft.errors import UserError
 
-from .common import as_rank, console, end_finished_rank, err_console, refuse_single_process_of_many, run_on_ranks, user_errors
+from .common import as_rank, console, err_console, refuse_single_process_of_many, run_on_ranks, user_errors
 
 LATEST = "latest"  # what a bare `--resume` means
 
@@ -75,8 +75,6 @@ def register(app: typer.Typer) -> None:
             summary = train(recipe, resume=resume_from, console=err_console, overwrite=overwrite)
         if summary["world_size"] == 1 or _is_main():
             _print_summary(summary)
-        if inside_launcher():
-            end_finished_rank()
 
 
 def _print_summary(summary: dict) -> None:

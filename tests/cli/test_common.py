@@ -6,6 +6,8 @@ import subprocess
 import sys
 from importlib.metadata import version
 
+import pytest
+
 from cli.train import optional_resume_value
 
 WIDE_TABLE = """
@@ -40,9 +42,10 @@ def test_resume_takes_an_optional_checkpoint(tmp_path):
     assert optional_resume_value(["train", "r.yaml", "--resume", str(tmp_path)])[2:] == ["--resume", str(tmp_path)]
 
 
-def test_a_finished_rank_runs_exit_handlers_and_flushes_before_it_leaves():
-    code = ("import atexit, sys; atexit.register(lambda: print('handler ran'));"
-            "from sbft_cli.common import end_finished_rank; print('unflushed', end=''); sys.stderr.write('err');"
-            "end_finished_rank(); print('never')")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0 and run.stdout == "unflushedhandler ran\n" and run.stderr == "err"
+@pytest.mark.parametrize("code, status, stderr", [(None, 0, ""), (3, 3, ""), ("bad", 1, "bad\n")])
+def test_exit_without_teardown_runs_exit_handlers_and_flushes(code, status, stderr):
+    program = ("import atexit; atexit.register(lambda: print('handler ran'));"
+               f"from sbft_cli.common import exit_without_teardown; print('unflushed', end=''); exit_without_teardown({code!r});"
+               "print('never')")
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stdout, run.stderr) == (status, "unflushedhandler ran\n", stderr)
