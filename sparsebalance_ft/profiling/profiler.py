@@ -42,6 +42,7 @@ from ..cost.model import (
 from ..cost.stats import _isotonic
 from ..errors import UserError
 from ..train.loss import micro_batch_loss
+from ..train.step import synchronize
 
 NOOP_ATTENTION = "sbft_profile_noop"
 # Dense kernels given the packed block-diagonal mask compute the whole packed sequence's L^2;
@@ -196,11 +197,6 @@ def model_loss(model, batch: dict, loss_mode: str = "auto") -> torch.Tensor:
     return micro_batch_loss(model, batch, loss_mode)[0]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
@@ -211,10 +207,10 @@ def _timed(fn: Callable[[], None], device: torch.device, clock: str = "wall") ->
     spends descheduled, which keeps profiles reproducible on a CPU shared with other jobs.
     """
     now = CLOCKS[clock]
-    _sync(device)
+    synchronize(device)
     start = now()
     fn()
-    _sync(device)
+    synchronize(device)
     return now() - start
 
 
