@@ -6,6 +6,7 @@ import warnings
 import typer
 
 from . import bench, eval, export, init_model, init_tiny, profile, report, simulate, synth, train
+from .common import exit_without_teardown
 
 # peft asks transformers a deprecated question on every LoRA wrap; the warning is not the user's to act on.
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -41,7 +42,10 @@ def main() -> None:
     import sys
 
     sys.argv[1:] = train.optional_resume_value(sys.argv[1:])
-    app()
+    try:
+        app()
+    except SystemExit as done:
+        exit_without_teardown(done.code)
 
 
 if __name__ == "__main__":

@@ -30,16 +30,7 @@ def register(app: typer.Typer) -> None:
         from sparsebalance_ft.modeling.tiny import init_tiny
 
         with console.status("training the tokenizer and writing the model"):
-            out = init_tiny(
-                out_dir,
-                family=family,
-                vocab_size=vocab_size,
-                hidden_size=hidden_size,
-                layers=layers,
-                heads=heads,
-                kv_heads=kv_heads,
-                max_position_embeddings=max_positions,
-                seed=seed,
-                text_source=text,
-            )
+            out = init_tiny(out_dir, family=family, vocab_size=vocab_size, seed=seed, text_source=text,
+                            hidden_size=hidden_size, layers=layers, heads=heads, kv_heads=kv_heads,
+                            max_position_embeddings=max_positions)
         console.print(f"wrote a tiny {family} model and tokenizer to [bold]{out}[/]")

@@ -69,9 +69,6 @@ class StepPlan:
     def all_docs(self) -> np.ndarray:
         return np.array([d for r in range(self.world_size) for d in self.docs(r)], dtype=np.int64)
 
-    def rank_tokens(self, lengths: np.ndarray) -> np.ndarray:
-        return np.array([int(np.sum(lengths[self.docs(r)])) for r in range(self.world_size)], dtype=np.int64)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,

@@ -131,12 +131,6 @@ def bench_report(runs: dict[str, list[dict]], setup: dict) -> dict:
     return {**setup, "same_documents": len(token_totals) == 1, "results": summary}
 
 
-def summarise_bench(out_dir: Path, names: list[str], rounds: int, setup: dict) -> dict:
-    """`bench_report` from runs already on disk (`out_dir/roundN/NAME`), e.g. after a change to the summary."""
-    runs = {name: [summarise_run(out_dir / f"round{i}" / name) for i in range(rounds)] for name in names}
-    return bench_report(runs, setup)
-
-
 def run_balance_bench(
     recipe: Path, out_dir: Path, rounds: int = 1, nproc: int = 2, overrides: list[str] | None = None,
     configurations: list[str] | None = None, on_result=None,

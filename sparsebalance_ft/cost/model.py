@@ -26,7 +26,9 @@ Two implementations:
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
+import os
 import platform
 import warnings
 from dataclasses import dataclass, field
@@ -214,27 +216,15 @@ class AnalyticCostModel:
 
 def current_hardware() -> dict[str, Any]:
     """What a profile is only valid for: device kind and name, CPU model, cores, torch threads."""
-    info: dict[str, Any] = {"machine": platform.machine(), "cpu": _cpu_model()}
-    try:
-        import os
+    import torch
 
-        info["cpu_count"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    except Exception:  # pragma: no cover
-        info["cpu_count"] = None
-    try:
-        import torch
-
-        info["torch_threads"] = torch.get_num_threads()
-        if torch.cuda.is_available():
-            info["device"] = "cuda"
-            info["device_name"] = torch.cuda.get_device_name(torch.cuda.current_device())
-            info["device_count"] = torch.cuda.device_count()
-        else:
-            info["device"] = "cpu"
-            info["device_name"] = info["cpu"]
-    except Exception:  # pragma: no cover
-        info["device"] = "cpu"
-        info["device_name"] = info["cpu"]
+    cpu = _cpu_model()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info: dict[str, Any] = {"machine": platform.machine(), "cpu": cpu, "cpu_count": cores,
+                            "torch_threads": torch.get_num_threads(), "device": "cpu", "device_name": cpu}
+    if torch.cuda.is_available():
+        info.update(device="cuda", device_name=torch.cuda.get_device_name(torch.cuda.current_device()),
+                    device_count=torch.cuda.device_count())
     return info
 
 
@@ -252,12 +242,12 @@ HARDWARE_KEYS = ("device", "device_name", "cpu", "cpu_count")
 
 
 def library_versions() -> dict[str, str]:
+    """Installed versions of what a profile's timings depend on ("missing" for one not installed)."""
     out = {"python": platform.python_version()}
     for name in ("torch", "transformers", "peft", "numpy", "sparsebalance_ft"):
         try:
-            module = __import__(name)
-            out[name] = str(getattr(module, "__version__", "?"))
-        except Exception:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             out[name] = "missing"
     return out
 

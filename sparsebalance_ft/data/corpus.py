@@ -20,7 +20,6 @@ serialise on a lock file, so one tokenizes and the others wait and reuse its res
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
+from filelock import FileLock
 
 from ..recipe import DataConfig
 from .chat import assistant_mask_method, tokenize_chat
@@ -220,7 +220,7 @@ def load_corpus(data_cfg: DataConfig, tokenizer: Any, *, progress: bool | None =
             cache_root.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise DataError(f"{cache_root}: cannot create the data cache folder: {error.strerror or error}") from None
-        with _locked(cache_root / f"tokens-{fingerprint}.lock"):
+        with FileLock(cache_root / f"tokens-{fingerprint}.lock"):
             cache_hit = _complete(entry)  # another rank may have finished while we waited
             if not cache_hit:
                 _build(entry, data_cfg, tokenizer, fmt, fingerprint, progress)
@@ -235,21 +235,6 @@ def load_corpus(data_cfg: DataConfig, tokenizer: Any, *, progress: bool | None =
 
 def _complete(entry: Path) -> bool:
     return (entry / "meta.json").is_file()
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: rely on the atomic rename alone
-        yield
-        return
-    with open(path, "a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def _rank() -> int:

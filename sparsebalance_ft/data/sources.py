@@ -118,7 +118,7 @@ def read_documents(cfg: DataConfig, tokenizer: Any = None) -> Iterator[Document]
     if fmt == "text":
         records = _read_text(cfg)
     elif fmt == "jsonl":
-        records = _read_records(cfg, _jsonl_rows, fmt)
+        records = _read_records(cfg, jsonl_rows, fmt)
     elif fmt == "parquet":
         records = _read_records(cfg, _parquet_rows, fmt)
     elif fmt == "hub":
@@ -158,7 +158,8 @@ def _read_records(cfg: DataConfig, rows, fmt: str) -> Iterator[tuple[dict, str]]
         yield from rows(path, cfg)
 
 
-def _jsonl_rows(path: Path, cfg: DataConfig) -> Iterator[tuple[dict, str]]:
+def jsonl_rows(path: Path, cfg: DataConfig | None = None) -> Iterator[tuple[dict, str]]:
+    """Each non-blank line of a JSONL file as (object, "path:line"); one-line `DataError` for a bad line."""
     try:
         handle = path.open("r", encoding="utf-8")
     except OSError as error:

@@ -137,12 +137,7 @@ def build_examples(
         from .passkey import RetrievalOptions, build_retrieval_examples, resolve_lengths
 
         options = RetrievalOptions(lengths=list(lengths) if lengths else None, seed=seed)
-        if depths is not None:
-            options.depths = list(depths)
-        if samples is not None:
-            options.samples = samples
-        if max_new_tokens is not None:
-            options.max_new_tokens = max_new_tokens
+        _override(options, depths=depths and list(depths), samples=samples, max_new_tokens=max_new_tokens)
         resolve_lengths(options, context, minimum=96 if task == "passkey" else 128)
         return build_retrieval_examples(tokenizer, options, task=task)
     if task == "needle":
@@ -150,12 +145,7 @@ def build_examples(
         from .passkey import default_lengths
 
         options = NeedleOptions(lengths=sorted(set(lengths)) if lengths else default_lengths(context), seed=seed)
-        if depths is not None:
-            options.depths = list(depths)
-        if samples is not None:
-            options.samples = samples
-        if max_new_tokens is not None:
-            options.max_new_tokens = max_new_tokens
+        _override(options, depths=depths and list(depths), samples=samples, max_new_tokens=max_new_tokens)
         options.haystack = [Path(p) for p in haystack] if haystack else None
         return build_needle_examples(tokenizer, options)
     if task == "longbench":
@@ -166,6 +156,13 @@ def build_examples(
         raw = read_longbench(data, datasets=datasets, limit=limit)
         return build_longbench_examples(tokenizer, raw, context, chat_template=chat_template, max_new_tokens=max_new_tokens)
     raise EvalOptionError(f"--task: unknown task {task!r}; choose one of {', '.join(TASKS)}")
+
+
+def _override(options: Any, **values: Any) -> None:
+    """Set each option the caller gave; None keeps the task's default."""
+    for name, value in values.items():
+        if value is not None:
+            setattr(options, name, value)
 
 
 def summarize(task: str, records: Sequence[Scored]) -> dict[str, Any]:

@@ -9,12 +9,12 @@ QA F1 (the result says so). Prompts longer than the context limit lose their mid
 """
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..data.sources import DataError, jsonl_rows
 from .engine import EvalExample, Scored
 from .errors import EvalDataError
 from .passkey import encode
@@ -107,38 +107,23 @@ def read_longbench(path: str | Path, datasets: Sequence[str] | None = None, limi
     examples: list[LongBenchExample] = []
     for file in _files(Path(path)):
         try:
-            handle = file.open(encoding="utf-8")
-        except OSError as error:
-            raise EvalDataError(f"{file}: cannot read: {error.strerror}") from None
-        number = 0
-        with handle:
-            try:
-                for number, line in enumerate(handle, start=1):
-                    if not line.strip():
-                        continue
-                    example = _parse_line(line, file, number)
-                    if wanted is not None and example.dataset not in wanted:
-                        continue
-                    if limit is not None and per_dataset[example.dataset] >= limit:
-                        continue
-                    per_dataset[example.dataset] += 1
-                    examples.append(example)
-            except UnicodeDecodeError:
-                raise EvalDataError(f"{file}:{number + 1}: not UTF-8 text") from None
+            for data, where in jsonl_rows(file):
+                example = _parse_row(data, file, where)
+                if wanted is not None and example.dataset not in wanted:
+                    continue
+                if limit is not None and per_dataset[example.dataset] >= limit:
+                    continue
+                per_dataset[example.dataset] += 1
+                examples.append(example)
+        except DataError as error:
+            raise EvalDataError(str(error)) from None
     if not examples:
         which = f" of datasets {', '.join(sorted(wanted))}" if wanted else ""
         raise EvalDataError(f"{path}: no examples{which}")
     return examples
 
 
-def _parse_line(line: str, file: Path, number: int) -> LongBenchExample:
-    where = f"{file}:{number}"
-    try:
-        data = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise EvalDataError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
-    if not isinstance(data, dict):
-        raise EvalDataError(f"{where}: expected a JSON object, got {type(data).__name__}")
+def _parse_row(data: dict, file: Path, where: str) -> LongBenchExample:
     for name, kind in REQUIRED_FIELDS.items():
         if name not in data:
             raise EvalDataError(f"{where}: missing field '{name}'")
@@ -152,7 +137,7 @@ def _parse_line(line: str, file: Path, number: int) -> LongBenchExample:
     if classes is not None and (not isinstance(classes, list) or not all(isinstance(c, str) for c in classes)):
         raise EvalDataError(f"{where}: field 'all_classes' must be a list of strings or null")
     return LongBenchExample(
-        id=str(data.get("_id") or f"{file.stem}-{number}"),
+        id=str(data.get("_id") or f"{file.stem}-{where.rpartition(':')[2]}"),  # else file and line
         dataset=data["dataset"],
         context=data["context"],
         input=data["input"],

@@ -13,7 +13,7 @@ import json
 import os
 import sysconfig
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from ..errors import UserError
 
@@ -183,20 +183,15 @@ def init_tiny(
     *,
     family: str = "llama",
     vocab_size: int = 4096,
-    hidden_size: int = 128,
-    layers: int = 4,
-    heads: int = 4,
-    kv_heads: int = 2,
-    intermediate_size: int | None = None,
-    max_position_embeddings: int = 65536,
-    rope_theta: float = 500_000.0,
     seed: int = 0,
     text_source: str | os.PathLike | list | None = None,
+    **shape: Any,
 ) -> Path:
     """Write a tiny randomly initialised causal LM and a locally trained tokenizer to `out_dir`.
 
     Defaults: Llama, hidden 128, 4 layers, 4 query heads and 2 KV heads (GQA, head_dim 32),
-    4096-token byte-level BPE vocabulary, rope theta 5e5 and 65536 positions. `text_source`
+    4096-token byte-level BPE vocabulary, rope theta 5e5 and 65536 positions; `shape` takes
+    `tiny_config`'s size keywords (hidden_size, layers, heads, kv_heads, ...). `text_source`
     is a file, a folder (all files, recursively) or a list of files; default: the stdlib sources.
     Returns the output directory.
     """
@@ -204,22 +199,10 @@ def init_tiny(
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
-    tiny_config(family, hidden_size=hidden_size, heads=heads, kv_heads=kv_heads)  # validate before the slow part
+    tiny_config(family, **shape)  # validate before the slow part
     tokenizer = build_tokenizer(vocab_size=vocab_size, text_source=text_source)
-    config = tiny_config(
-        family,
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        rope_theta=rope_theta,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    config = tiny_config(family, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **shape)
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)

@@ -42,6 +42,7 @@ from ..cost.model import (
 from ..cost.stats import _isotonic
 from ..errors import UserError
 from ..train.loss import micro_batch_loss
+from ..train.step import synchronize
 
 NOOP_ATTENTION = "sbft_profile_noop"
 # Dense kernels given the packed block-diagonal mask compute the whole packed sequence's L^2;
@@ -128,27 +129,15 @@ def register_noop_attention() -> None:
     AttentionInterface.register(NOOP_ATTENTION, _noop_attention)
 
 
-def _configs(model: torch.nn.Module) -> list[Any]:
-    seen: dict[int, Any] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            seen.setdefault(id(config), config)
-    return list(seen.values())
-
-
 @contextlib.contextmanager
 def attention_swapped(model: torch.nn.Module, implementation: str) -> Iterator[None]:
     """Temporarily route every attention module of `model` to another registered implementation."""
-    configs = _configs(model)
-    before = [c._attn_implementation for c in configs]
+    before = model.config._attn_implementation
     try:
-        for c in configs:
-            c._attn_implementation = implementation
+        model.set_attn_implementation(implementation)
         yield
     finally:
-        for c, b in zip(configs, before):
-            c._attn_implementation = b
+        model.set_attn_implementation(before)
 
 
 def model_config(model: torch.nn.Module) -> Any:
@@ -208,11 +197,6 @@ def model_loss(model, batch: dict, loss_mode: str = "auto") -> torch.Tensor:
     return micro_batch_loss(model, batch, loss_mode)[0]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
@@ -223,10 +207,10 @@ def _timed(fn: Callable[[], None], device: torch.device, clock: str = "wall") ->
     spends descheduled, which keeps profiles reproducible on a CPU shared with other jobs.
     """
     now = CLOCKS[clock]
-    _sync(device)
+    synchronize(device)
     start = now()
     fn()
-    _sync(device)
+    synchronize(device)
     return now() - start
 
 
@@ -256,15 +240,22 @@ class Cell:
 
 def measure_cells(cells: list[Cell], device: torch.device, warmup: int, repeats: int,
                   progress: Callable[[str], None] | None = None, clock: str = "wall") -> None:
-    """Warm-up pass(es), then `repeats` interleaved passes over every cell."""
-    for p in range(warmup + repeats):
-        for cell in cells:
+    """Warm-up pass(es), then `repeats` interleaved passes over every cell.
+
+    The garbage collector is off while cells run, so that no collection pause lands inside a timed run;
+    one full collection per pass keeps memory bounded (one per cell cost more than small cells themselves)."""
+    gc.disable()
+    try:
+        for p in range(warmup + repeats):
             gc.collect()
-            seconds = _timed(cell.run, device, clock)
-            if p >= warmup:
-                cell.samples.append(seconds)
-            if progress is not None:
-                progress(str(cell.key[0]))
+            for cell in cells:
+                seconds = _timed(cell.run, device, clock)
+                if p >= warmup:
+                    cell.samples.append(seconds)
+                if progress is not None:
+                    progress(str(cell.key[0]))
+    finally:
+        gc.enable()
 
 
 def random_micro_batches(count: int, max_len: int, token_cap: int, densities: list[float], seed: int = 0,
@@ -443,30 +434,16 @@ def _threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _progress_bar(total: int, enabled: bool, label: str):
-    if not enabled:
-        return contextlib.nullcontext(None)
+@contextlib.contextmanager
+def _progress_bar(total: int, enabled: bool, label: str) -> Iterator[Callable[[str], None]]:
+    """A rich bar on stderr, advanced once per measurement and naming the cell it measured."""
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from rich.console import Console
-
-    progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[what]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                        console=Console(stderr=True), transient=False)
-
-    class _Bar:
-        def __enter__(self):
-            progress.__enter__()
-            self.task = progress.add_task(label, total=total, what="")
-            return self
-
-        def __exit__(self, *exc):
-            progress.__exit__(*exc)
-
-        def __call__(self, what: str) -> None:
-            progress.update(self.task, advance=1, what=what)
-
-    return _Bar()
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[what]}"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), disable=not enabled) as bar:
+        task = bar.add_task(label, total=total, what="")
+        yield lambda what: bar.update(task, advance=1, what=what)
 
 
 def profile_model(

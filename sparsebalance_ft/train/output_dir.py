@@ -62,12 +62,15 @@ def _refuse_if_locked(out: Path) -> None:
         )
 
 
+WRITE_PROBE = ".sbft-write-test-"  # + pid: the empty file that shows the directory is writable
+
+
 def _check_writable(out: Path) -> None:
-    probe = out / f".sbft-write-test-{os.getpid()}"
+    probe = out / f"{WRITE_PROBE}{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe.write_text("")
-        probe.unlink()
+        probe.unlink(missing_ok=True)  # another rank's --overwrite may have cleared it already
     except OSError as error:
         raise OutputDirError(f"training.output_dir: cannot write to {out}: {error.strerror or error}") from None
 
@@ -91,7 +94,8 @@ def check_output_dir(out: str | Path, resume: bool | str | Path, overwrite: bool
         )
     if resume or overwrite:
         return
-    held = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)
+    # every rank probes at once: another rank's probe is not a run
+    held = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME and not p.name.startswith(WRITE_PROBE))
     if held:
         raise OutputDirError(
             f"training.output_dir: {out} already holds a run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); "

@@ -22,7 +22,8 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); a no-op on the CPU, where every call blocks."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -35,7 +36,7 @@ def timed_collective(run: Callable[[], None], device: torch.device) -> float:
     """
     start = time.perf_counter()
     run()
-    _synchronize(device)
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -76,7 +77,7 @@ def run_local_step(accelerator, model, batches: list[dict], global_target_tokens
         tokens += int(batch["input_ids"].numel())
     if after_micro_batches is not None:  # e.g. layer-level DST: join the exchanges of micro-batches this rank lacks
         after_micro_batches()
-    _synchronize(device)
+    synchronize(device)
     compute_time = time.perf_counter() - start
 
     wait_time = comm_time = 0.0

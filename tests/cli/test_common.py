@@ -6,6 +6,8 @@ import subprocess
 import sys
 from importlib.metadata import version
 
+import pytest
+
 from cli.train import optional_resume_value
 
 WIDE_TABLE = """
@@ -38,3 +40,12 @@ def test_resume_takes_an_optional_checkpoint(tmp_path):
     chosen = str(tmp_path / "run" / "checkpoint-30")  # named like a checkpoint: its value, even if missing
     assert optional_resume_value(["train", "r.yaml", "--resume", chosen]) == ["train", "r.yaml", "--resume", chosen]
     assert optional_resume_value(["train", "r.yaml", "--resume", str(tmp_path)])[2:] == ["--resume", str(tmp_path)]
+
+
+@pytest.mark.parametrize("code, status, stderr", [(None, 0, ""), (3, 3, ""), ("bad", 1, "bad\n")])
+def test_exit_without_teardown_runs_exit_handlers_and_flushes(code, status, stderr):
+    program = ("import atexit; atexit.register(lambda: print('handler ran'));"
+               f"from sbft_cli.common import exit_without_teardown; print('unflushed', end=''); exit_without_teardown({code!r});"
+               "print('never')")
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stdout, run.stderr) == (status, "unflushedhandler ran\n", stderr)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,11 +20,17 @@ def run_sbft(*args, timeout=300, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([*SBFT, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=sbft_env(**(env or {})))
 
 
+def _as_from_a_terminal() -> None:
+    """Ctrl-C reaches the command as it does from an interactive shell, even when pytest itself was started
+    in the background (a non-interactive shell starts background jobs with SIGINT ignored, and children inherit it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_sbft(*args, env=None) -> subprocess.Popen:
     """A background `sbft` in its own session (so a test can Ctrl-C its whole process group)."""
     return subprocess.Popen(
         [*SBFT, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=sbft_env(**(env or {})), start_new_session=True,
+        env=sbft_env(**(env or {})), start_new_session=True, preexec_fn=_as_from_a_terminal,
     )
 
 

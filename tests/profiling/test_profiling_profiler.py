@@ -145,3 +145,24 @@ def test_profile_with_gradient_checkpointing_and_a_dense_backend(tiny_model_dir)
     profile = profile_model(model, DenseDriver(), max_len=128, token_cap=128, settings=settings, progress=False)
     assert profile.densities.tolist() == [1.0] and profile.attention_scope == "micro_batch"
     assert profile.dense_attn is None and np.all(profile.attn > 0)
+
+
+def test_progress_bar_advances_once_per_measurement(capsys):
+    from sparsebalance_ft.profiling.profiler import Cell, _progress_bar, measure_cells
+
+    cells = [Cell(("a",), lambda: None), Cell(("b",), lambda: None)]
+    with _progress_bar(6, True, "profile") as bar:
+        measure_cells(cells, torch.device("cpu"), warmup=1, repeats=2, progress=bar)
+    assert [len(c.samples) for c in cells] == [2, 2]
+    assert "6/6" in capsys.readouterr().err  # warm-up and timed passes over both cells
+
+
+def test_no_garbage_collection_inside_a_timed_run():
+    import gc
+
+    from sparsebalance_ft.profiling.profiler import Cell, measure_cells
+
+    seen = []
+    cells = [Cell((name,), lambda: seen.append(gc.isenabled())) for name in "ab"]
+    measure_cells(cells, torch.device("cpu"), warmup=1, repeats=2)
+    assert seen == [False] * 6 and gc.isenabled()  # and the collector is back on afterwards

@@ -58,3 +58,14 @@ def test_a_stale_lock_of_a_killed_run_is_taken_over(tmp_path):
         lock.acquire()
     assert lock.held
     lock.release()
+
+
+def test_another_ranks_write_probe_is_not_a_run(tmp_path):
+    """Every rank checks the directory at once: one rank's probe file must not make another refuse it."""
+    from sparsebalance_ft.train.output_dir import WRITE_PROBE
+
+    (tmp_path / f"{WRITE_PROBE}99999").write_text("")
+    check_output_dir(tmp_path, resume=False, overwrite=False)  # no refusal
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(OutputDirError, match=r"already holds a run \(metrics.jsonl\)"):
+        check_output_dir(tmp_path, resume=False, overwrite=False)
