@@ -432,7 +432,8 @@ def code_version() -> dict:
             return ""
         return done.stdout.strip() if done.returncode == 0 else ""
 
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--", "sparsebalance_ft")),
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--", "sparsebalance_ft")),
             "selection_py_blob": git("hash-object", "sparsebalance_ft/attention/selection.py") or None}
 
 
