@@ -91,6 +91,11 @@ bench-accuracy: install
 bench-memory: install
 	$(SBFT) bench memory --out $(BENCH)/memory/memory.json
 
+# Temporary memory of one layer's block selection at 16K/32K/64K tokens (seconds).
+.PHONY: bench-memory-selection
+bench-memory-selection: install
+	$(SBFT) bench memory --workload selection --selection-tokens 16384,32768,65536 --out $(BENCH)/memory/selection.json
+
 # On a machine with a CUDA GPU, in one go: the Triton kernel's tests compiled (not interpreted), then one
 # attention layer (bf16, fwd+bwd) timed per sparse backend, each also keeping every block (--kernel-at-full).
 gpu-check: install

@@ -227,9 +227,13 @@ def memory(
     out: Path = typer.Option(Path("bench_results/memory/memory.json"), "--out", help="Results as JSON."),
     project: bool = typer.Option(False, "--project", help="Print the accounting's projection for Llama-3-8B with LoRA; run nothing."),
     mmap_threshold: int = typer.Option(0, min=0, help="glibc MALLOC_MMAP_THRESHOLD_ in each process (e.g. 65536: freed blocks leave the RSS); 0: glibc's default."),
+    workload: str = typer.Option("train", help="train: the loss alone and the whole model; selection: one layer's block selection."),
+    selection_tokens: str = typer.Option("16384,32768,65536", help="Token counts for --workload selection."),
 ) -> None:
-    """Peak memory of one training step (loss alone; whole model), each configuration in a fresh process."""
-    from sparsebalance_ft.bench.memory import GIB, default_cases, projection_rows, result_row, run_memory_bench
+    """Peak memory of one training step (loss alone; whole model), or of one layer's block selection
+    (--workload selection), each configuration in a fresh process."""
+    from sparsebalance_ft.bench.memory import (GIB, default_cases, projection_rows, result_row, run_memory_bench,
+                                               selection_cases, selection_row)
 
     if project:
         table = Table(title="projected peak, Llama-3-8B bf16 + LoRA r=8 (GB)")
@@ -244,8 +248,15 @@ def memory(
     def ints(text: str, name: str) -> list[int]:
         return [int(x) for x in _floats(text, name)] if text.strip() else []
 
-    cases = default_cases(ints(model_tokens, "model-tokens"), ints(loss_tokens, "loss-tokens"),
-                          ints(long_tokens, "long-tokens"))
+    if workload not in ("train", "selection"):
+        from sparsebalance_ft.errors import UserError
+
+        raise UserError(f"--workload: expected train or selection, got {workload!r}")
+    if workload == "selection":
+        cases = selection_cases(ints(selection_tokens, "selection-tokens"))
+    else:
+        cases = default_cases(ints(model_tokens, "model-tokens"), ints(loss_tokens, "loss-tokens"),
+                              ints(long_tokens, "long-tokens"))
 
     def show(r: dict) -> None:
         if "peak_bytes" in r:
@@ -258,12 +269,18 @@ def memory(
     console.print(f"{len(cases)} configurations, one fresh process each")
     report = run_memory_bench(cases, out, device, cap_gib or None, timeout, on_result=show,
                               mmap_threshold=mmap_threshold or None)
-    table = Table(title=f"peak memory of one training step ({device})")
-    columns = ("config", "peak_gib", "step_gib", "projected_step_gib", "seconds", "note")
+    if workload == "selection":
+        table = Table(title=f"temporary memory of one layer's block selection ({device})")
+        columns = ("config", "rss_temp_mib", "torch_peak_mib", "largest_mib", "projected_scores_mib", "seconds", "note")
+        make_row = selection_row
+    else:
+        table = Table(title=f"peak memory of one training step ({device})")
+        columns = ("config", "peak_gib", "step_gib", "projected_step_gib", "seconds", "note")
+        make_row = result_row
     for col in columns:
         table.add_column(col, justify="right")
     for result in report["results"]:
-        row = result_row(result)
+        row = make_row(result)
         table.add_row(*("-" if row[c] is None else str(row[c]) for c in columns))
     console.print(table)
     console.print(f"wrote {out}")

@@ -6,11 +6,16 @@ high-water mark over the step (reset before it through /proc/self/clear_refs, so
 does not count; the RSS before the step, i.e. weights, optimizer state and the runtime, does);
 on CUDA it is `torch.cuda.max_memory_allocated` over the step.
 
-Two workloads, both through the training's own loss (`train.loss`):
+Two training workloads, both through the training's own loss (`train.loss`):
 - `loss`: the LM head and the next-token loss alone, from random hidden states;
 - `model`: a decoder with SmolLM2-135M's shape (random weights), LoRA as the recipe's defaults
   configure it, one packed document, forward + backward + AdamW step, with dense (SDPA) or
   sparse attention at the default budget, with or without gradient checkpointing.
+And one for the sparse attention's own overhead:
+- `selection`: one layer's block selection (`select_blocks` as the attention calls it, default
+  budget) on random queries and keys of one document; its figure is the temporary memory (peak
+  less the RSS before the call, which holds q and k), plus the peak of live torch allocations and
+  the largest of them from torch's profiler (a second call), which the allocator cannot blur.
 
 A configuration whose RSS passes `cap_gib` is stopped there and recorded as "more than cap",
 so a shared machine is never pushed into swapping or the OOM killer.
@@ -36,7 +41,7 @@ EXCEEDED_EXIT = 3
 
 @dataclass(frozen=True)
 class MemoryCase:
-    kind: str  # "loss" | "model"
+    kind: str  # "loss" | "model" | "selection"
     tokens: int
     loss: str  # "full" | "chunked" | "fused" | "auto"
     attention: str = "-"  # "dense" | "sparse" (model only)
@@ -46,6 +51,8 @@ class MemoryCase:
     def name(self) -> str:
         if self.kind == "loss":
             return f"loss {self.tokens // 1024}K {self.loss}"
+        if self.kind == "selection":
+            return f"selection {self.tokens // 1024}K"
         ckpt = "ckpt" if self.checkpointing else "no-ckpt"
         return f"model {self.tokens // 1024}K {self.attention} {ckpt} {self.loss}"
 
@@ -68,6 +75,11 @@ def default_cases(model_tokens: list[int], loss_tokens: list[int], long_tokens: 
     for t in long_tokens:
         cases += [MemoryCase("model", t, **TARGET)] + [MemoryCase("model", t, **a) for a in ABLATIONS[:2]]
     return cases
+
+
+def selection_cases(tokens: list[int]) -> list[MemoryCase]:
+    """One layer's block selection at each length (SmolLM2's heads, the default sparsity config)."""
+    return [MemoryCase("selection", t, "-") for t in tokens]
 
 
 # --------------------------------------------------------------------------- inside the measured process
@@ -159,13 +171,72 @@ def _model_step(case: MemoryCase, device) -> Callable[[], float]:
     return step
 
 
+def _selection_step(case: MemoryCase, device) -> Callable[[], float]:
+    """One layer's `select_blocks`, called as `attention.register._choose_route` calls it (the default
+    config's budget through `selection_kwargs`), on random q and k of one document; returns the kept density."""
+    import torch
+
+    from ..attention import SparsityConfig
+    from ..attention.budget import selection_kwargs
+    from ..attention.selection import make_layout, select_blocks, to_layout
+
+    torch.manual_seed(0)
+    config = SparsityConfig()
+    heads, kv_heads = SMOLLM2_SHAPE["num_attention_heads"], SMOLLM2_SHAPE["num_key_value_heads"]
+    head_dim = SMOLLM2_SHAPE["head_dim"]
+    layout = make_layout([case.tokens], config.block_size, device)
+    q = to_layout(torch.randn(1, heads, case.tokens, head_dim, device=device), layout)[0]
+    k = to_layout(torch.randn(1, kv_heads, case.tokens, head_dim, device=device), layout)[0]
+    kwargs = selection_kwargs(config, config.budget)
+
+    def select(q: torch.Tensor, k: torch.Tensor, layout) -> float:
+        sel = select_blocks(q, k, layout, **kwargs, k_min=config.k_min, sink_blocks=config.sink_blocks,
+                            local_blocks=config.local_blocks, scale=head_dim ** -0.5)
+        return float(sel.counts.sum()) / float(sel.causal.sum() * kv_heads)
+
+    # a first call on 16 blocks pages in the ops' code, which would otherwise count as the call's RSS
+    small = make_layout([16 * config.block_size], config.block_size, device)
+    select(q[:, :small.padded_length], k[:, :small.padded_length], small)
+    return lambda: select(q, k, layout)
+
+
+def profiled_allocations(call: Callable[[], object], largest: int = 5) -> dict:
+    """Peak bytes of the CPU tensors `call` keeps alive at once (above those alive before it), and its
+    `largest` allocations with the op that made each: torch's profiler records every allocation and free
+    (the allocation events of its event tree, the ones its memory timeline reads), so this is the tensors'
+    own peak, free of what the allocator caches or returns to the system."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    allocations = []  # (start ns, bytes: positive allocated, negative freed, op)
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            op = event.parent.name if event.parent is not None else "-"
+            allocations.append((event.start_time_ns, event.extra_fields.alloc_size, op))
+    allocations.sort(key=lambda a: a[0])
+    live = peak = 0
+    for _, size, _ in allocations:
+        live += size
+        peak = max(peak, live)
+    top = sorted((a for a in allocations if a[1] > 0), key=lambda a: -a[1])[:largest]
+    return {"torch_peak_bytes": peak, "largest_allocations": [{"op": op, "bytes": size} for _, size, op in top]}
+
+
+STEP_BUILDERS = {"loss": _loss_step, "model": _model_step, "selection": _selection_step}
+
+
 def measure_case(case: MemoryCase, device_name: str = "cpu", cap_gib: float | None = None) -> dict:
     """Build the workload, then measure one step's peak (run this in a fresh process)."""
     import torch
 
     torch.set_num_threads(int(os.environ.get("SBFT_BENCH_THREADS", "1")))
     device = torch.device(device_name)
-    step = (_loss_step if case.kind == "loss" else _model_step)(case, device)
+    step = STEP_BUILDERS[case.kind](case, device)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
@@ -182,9 +253,13 @@ def measure_case(case: MemoryCase, device_name: str = "cpu", cap_gib: float | No
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated(device) if cuda else _status_kib("VmHWM") * 1024
-    return {"case": asdict(case), "name": case.name, "device": device_name,
-            "measure": "cuda max_memory_allocated" if cuda else "process RSS high-water mark",
-            "before_step_bytes": before, "peak_bytes": peak, "step_seconds": round(seconds, 2), "loss": loss}
+    result = {"case": asdict(case), "name": case.name, "device": device_name,
+              "measure": "cuda max_memory_allocated" if cuda else "process RSS high-water mark",
+              "before_step_bytes": before, "peak_bytes": peak, "step_seconds": round(seconds, 2),
+              "density" if case.kind == "selection" else "loss": loss}
+    if case.kind == "selection" and not cuda:
+        result.update(profiled_allocations(step))
+    return result
 
 
 # --------------------------------------------------------------------------- the accounting
@@ -216,6 +291,11 @@ def lora_parameters(shape: Shape, r: int = 8) -> int:
     return shape.layers * r * ((shape.hidden + q) * 2 + (shape.hidden + kv) * 2)
 
 
+def selection_scores_bytes(shape: Shape, tokens: int, block: int = 64) -> float:
+    """The accounting's term for one layer's selection: float32 block scores for every query head."""
+    return shape.heads * (tokens / block) ** 2 * 4
+
+
 def projected_peak(shape: Shape, tokens: int, checkpointing: bool, loss: str, attention: str = "sparse",
                    block: int = 64) -> dict[str, float]:
     """Bytes of one LoRA training step's peak, by component, and their `total`.
@@ -235,7 +315,7 @@ def projected_peak(shape: Shape, tokens: int, checkpointing: bool, loss: str, at
     kept = shape.layers * (tokens * d * shape.hidden if checkpointing else per_layer)
     backward = 2 * tokens * d * shape.intermediate + (per_layer if checkpointing else 0)
     if attention == "sparse":
-        backward += shape.heads * (tokens / block) ** 2 * 4
+        backward += selection_scores_bytes(shape, tokens, block)
     if loss == "full":
         logits = tokens * shape.vocab * (d + (4 if d != 4 else 0) + 8)
     else:
@@ -257,6 +337,8 @@ def projected_peak(shape: Shape, tokens: int, checkpointing: bool, loss: str, at
 
 def projected_step(case: MemoryCase, shape: Shape = SMOLLM2) -> float:
     """The step's own bytes (peak less weights and LoRA state) that `case` should measure, per the accounting."""
+    if case.kind == "selection":
+        return selection_scores_bytes(shape, case.tokens)
     if case.kind == "loss":
         one = dataclasses_replace(shape, layers=0, parameters=0)
         parts = projected_peak(one, case.tokens, False, case.loss, "dense")
@@ -308,6 +390,24 @@ def result_row(result: dict) -> dict:
     return row
 
 
+def selection_row(result: dict) -> dict:
+    """One table row of the selection workload, in MiB: temporary RSS, torch's peak, the largest tensor."""
+    mib = 2**20
+    row = {"config": result["name"], "tokens": result["case"]["tokens"], "rss_temp_mib": None, "torch_peak_mib": None,
+           "largest_mib": None, "projected_scores_mib": round(projected_step(MemoryCase(**result["case"])) / mib, 1),
+           "seconds": None, "note": ""}
+    if "peak_bytes" in result:
+        row.update(rss_temp_mib=round((result["peak_bytes"] - result["before_step_bytes"]) / mib, 1),
+                   seconds=result["step_seconds"])
+    if "torch_peak_bytes" in result:
+        row["torch_peak_mib"] = round(result["torch_peak_bytes"] / mib, 1)
+        largest = result["largest_allocations"]
+        row["largest_mib"] = round(largest[0]["bytes"] / mib, 1) if largest else 0.0
+    if "peak_bytes" not in result:
+        row["note"] = result_row(result)["note"]
+    return row
+
+
 def projection_rows(shape: Shape = LLAMA3_8B, tokens: tuple[int, ...] = (32_768, 65_536, 131_072)) -> list[dict]:
     """The accounting's peak for `shape` with LoRA: the target and each one-change ablation, in GB."""
     rows = []
@@ -319,13 +419,32 @@ def projection_rows(shape: Shape = LLAMA3_8B, tokens: tuple[int, ...] = (32_768,
     return rows
 
 
+def code_version() -> dict:
+    """The commit the measured code came from, whether the work tree differed from it, and the git blob
+    of `attention/selection.py` (the selection workload's subject): a 'before' and an 'after' then name
+    the code each measured."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--", "sparsebalance_ft")),
+            "selection_py_blob": git("hash-object", "sparsebalance_ft/attention/selection.py") or None}
+
+
 def run_memory_bench(cases: list[MemoryCase], out: Path, device: str = "cpu", cap_gib: float | None = 12.0,
                      timeout_s: float | None = None, on_result: Callable[[dict], None] | None = None,
                      mmap_threshold: int | None = None) -> dict:
     """Measure every case, rewriting the JSON `out` after each (a long run keeps what it has)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"device": device, "cap_gib": cap_gib, "shape": SMOLLM2_SHAPE, "threads": 1,
-              "malloc_mmap_threshold": mmap_threshold, "results": []}
+    report = {"device": device, "cap_gib": cap_gib, "shape": SMOLLM2_SHAPE,
+              "threads": int(os.environ.get("SBFT_BENCH_THREADS", "1")), "malloc_mmap_threshold": mmap_threshold,
+              "code": code_version(), "results": []}
     for case in cases:
         result = run_case(case, device, cap_gib, timeout_s, mmap_threshold)
         report["results"].append(result)

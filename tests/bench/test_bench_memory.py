@@ -1,6 +1,7 @@
 """`sbft bench memory`: fresh-process peaks, the cap that protects a shared machine, and the accounting."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,10 +16,13 @@ from sparsebalance_ft.bench.memory import (
     Shape,
     default_cases,
     lora_parameters,
+    profiled_allocations,
     projected_peak,
     projected_step,
     result_row,
     run_case,
+    selection_cases,
+    selection_row,
 )
 
 
@@ -76,3 +80,50 @@ def test_cli_prints_the_llama_projection():
     assert done.returncode == 0, done.stderr
     total = projected_peak(LLAMA3_8B, 131_072, True, "chunked")["total"]
     assert f"{total / 1e9:.1f}" in done.stdout and "Llama-3-8B" in done.stdout
+
+
+def test_profiled_allocations_sees_the_peak_of_live_tensors_and_the_largest_one():
+    import torch
+
+    mib = 2**20
+
+    def call():
+        a = torch.ones(mib)  # 4 MiB of float32
+        b = torch.ones(2 * mib)  # 8 MiB, while a lives: 12 MiB at once
+        del a, b
+        c = torch.ones(mib)  # 4 MiB again, after both were freed: no new peak
+        return c.sum()
+
+    found = profiled_allocations(call, largest=2)
+    assert found["torch_peak_bytes"] == pytest.approx(12 * mib, abs=64 * 1024)
+    assert [a["bytes"] for a in found["largest_allocations"]] == [8 * mib, 4 * mib]
+    assert all(a["op"] for a in found["largest_allocations"])
+
+
+def test_selection_workload_measures_one_layer_selection_in_a_fresh_process():
+    small, large = (run_case(case, "cpu", cap_gib=4, timeout_s=600) for case in selection_cases([2048, 8192]))
+    for result, tokens in ((small, 2048), (large, 8192)):
+        assert result["name"] == f"selection {tokens // 1024}K"
+        assert 0 < result["density"] <= 1
+        assert result["peak_bytes"] >= result["before_step_bytes"]
+        largest = result["largest_allocations"]
+        assert largest and result["torch_peak_bytes"] >= largest[0]["bytes"] > 0
+    # four times the blocks: the selection's tensors grow (linearly in kept blocks at least)
+    assert large["torch_peak_bytes"] > 2 * small["torch_peak_bytes"]
+    row = selection_row(large)
+    assert row["torch_peak_mib"] == round(large["torch_peak_bytes"] / 2**20, 1) and row["note"] == ""
+
+
+def test_cli_selection_workload_writes_json_naming_the_measured_code(tmp_path):
+    out = tmp_path / "selection.json"
+    done = subprocess.run([sys.executable, "-m", "sbft_cli.app", "bench", "memory", "--workload", "selection",
+                           "--selection-tokens", "1024", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "COLUMNS": "160"})
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert [r["name"] for r in report["results"]] == ["selection 1K"]
+    assert "torch_peak_bytes" in report["results"][0] and "selection 1K" in done.stdout
+    assert set(report["code"]) == {"commit", "dirty", "selection_py_blob"}
+    bad = subprocess.run([sys.executable, "-m", "sbft_cli.app", "bench", "memory", "--workload", "nope"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--workload" in bad.stderr
