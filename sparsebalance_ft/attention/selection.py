@@ -169,9 +169,13 @@ def pooled(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     return s / layout.block_tokens.clamp(min=1).to(s.dtype)[None, :, None]
 
 
-# Elements of one chunk's largest temporary (the sampled queries' logits): about 16 MiB in float32 on CPU;
+# Elements of one chunk's largest temporary (the sampled queries' logits): about 4 MiB in float32 on CPU;
 # a GPU takes bigger chunks, because each chunk is a kernel launch and a few MiB more cost nothing there.
-_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
+_CHUNK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 26}
+
+
+def _chunk_elements(device: torch.device) -> int:
+    return _CHUNK_ELEMENTS.get(device.type, _CHUNK_ELEMENTS["cuda"])
 
 
 @torch.no_grad()
@@ -213,7 +217,7 @@ def select_blocks(
 
     span = int(causal.max())
     per_block = hq * max(1, score_queries) * span * layout.block_size
-    chunk = max(1, _CHUNK_ELEMENTS.get(dev.type, _CHUNK_ELEMENTS["cuda"]) // per_block)
+    chunk = max(1, _chunk_elements(dev) // per_block)
     cap = min(span, max(k_max, sink_blocks + local_blocks, k_min)) if force_density is None else \
         int(forced_count(causal, force_density).max())
     qb, kb = pooled(q, layout), pooled(k, layout)
@@ -298,11 +302,16 @@ def _sampled_shares(q: torch.Tensor, k: torch.Tensor, layout: Layout, i0: int, i
         visible &= kpos[None, :] > qpos[:, None] - window
     g, d = hq // hkv, q.shape[-1]
     qs = q[:, qpos].reshape(hkv, g * qpos.numel(), d)
-    logits = torch.matmul(qs, k[:, k0 * bs:i1 * bs].transpose(-1, -2)).float().mul_(scale)  # in q's dtype
-    logits = logits.view(hkv, g, qpos.numel(), -1).masked_fill_(~visible, _NEG_INF)
-    prob = torch.softmax(logits, -1)  # every sampled token sees itself: no row is all -inf
-    per_key_block = prob.view(hkv, g, i1 - i0, per_block, -1, bs).sum(-1)
-    return per_key_block.mean((1, 3))
+    ks = k[:, k0 * bs:i1 * bs]
+    # one key-value head at a time when even one query block's logits pass the chunk budget (very long rows)
+    step = 1 if hq * qpos.numel() * kpos.numel() > _chunk_elements(q.device) else hkv
+    shares = []
+    for h in range(0, hkv, step):
+        logits = torch.matmul(qs[h:h + step], ks[h:h + step].transpose(-1, -2)).float().mul_(scale)  # q's dtype
+        logits = logits.view(-1, g, qpos.numel(), kpos.numel()).masked_fill_(~visible, _NEG_INF)
+        prob = torch.softmax(logits, -1)  # every sampled token sees itself: no row is all -inf
+        shares.append(prob.view(-1, g, i1 - i0, per_block, i1 - k0, bs).sum(-1).mean((1, 3)))
+    return torch.cat(shares, 0)
 
 
 def _within_margin(logp: torch.Tensor, anchor: torch.Tensor, allowed: torch.Tensor, diag: torch.Tensor,
