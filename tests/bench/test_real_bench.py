@@ -18,14 +18,36 @@ def test_densities_then_a_failing_section_keeps_both(tmp_path, tiny_model_dir, m
     first = json.loads((out / "real.json").read_text())
     assert len(first["densities"]["documents"]) == 3 and first["densities"]["elapsed_s"] > 0
 
-    def missing(*args):
-        raise ImportError("no module named real_selection")
+    def interrupted(*args):
+        raise KeyboardInterrupt
 
-    monkeypatch.setitem(real._RUNNERS, "selection", missing)
-    run_real_bench(tiny_model_dir, out, ["selection"], _plan(), tmp_path / "work", say=lambda line: None)
-    second = json.loads((out / "real.json").read_text())
-    assert second["densities"] == first["densities"]
-    assert second["selection"]["error"].startswith("not run: no module named real_selection")
+    monkeypatch.setitem(real._RUNNERS, "selection", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_real_bench(tiny_model_dir, out, ["selection"], _plan(), tmp_path / "work", say=lambda line: None)
+    assert json.loads((out / "real.json").read_text()) == first
+
+
+def test_selection_curves_meet_dense_at_full_budget(tiny_model_dir):
+    """Budget 1.0 keeps every block: exact recall 1 and the dense loss; a lower budget keeps fewer blocks,
+    holds less of the exact mass and its points come sorted by budget for `flat_steps`."""
+    import inspect
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sparsebalance_ft.attention.config import SparsityConfig
+    from sparsebalance_ft.bench.real_selection import flat_steps, selection_curves
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = inspect.getsource(json)
+    section = selection_curves(model, tokenizer, texts={"code": text}, lengths=[512], budgets=[0.2, 1.0],
+                               rules=["mass"], config=SparsityConfig(k_min=1, recall_samples=2))
+    low, full = section["curves"]["mass"]["code"]["512"]
+    assert full["density"] == 1.0 and full["exact_recall"] == pytest.approx(1.0, abs=1e-5)
+    assert full["loss"] == pytest.approx(section["dense_loss"]["code/512"], rel=1e-5)
+    assert low["density"] < 1.0 and low["exact_recall"] < 1.0
+    assert flat_steps([{"budget": b, "density": d} for b, d in [(0.1, 0.2), (0.2, 0.2), (0.3, 0.201), (0.4, 0.5)]]) \
+        == [[0.1, 0.3]]
 
 
 def test_unknown_section_and_missing_model_are_one_line(tmp_path, tiny_model_dir):
