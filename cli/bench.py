@@ -285,6 +285,7 @@ def memory(
     console.print(table)
     console.print(f"wrote {out}")
 
+
 @bench_app.command("real")
 @user_errors
 def real(

@@ -27,6 +27,7 @@ import torch
 
 from .config import SparsityConfig
 from .register import CachedRoute, bind_controller, in_backward, register_sparse_attention
+from .selection import Layout, Selection, select_blocks
 
 NO_CAP = 2**31 - 1  # k_max meaning "no cap"
 
@@ -207,9 +208,14 @@ class SparseAttentionController:
     def budget_for(self, layer: int) -> float:
         return self._budgets[layer] if 0 <= layer < self.num_layers else float(self.config.budget)
 
-    def selection_kwargs(self, budget: float) -> dict[str, float | int]:
-        """`select_blocks` keyword arguments (the rule's threshold and k_max) that `budget` maps to."""
-        return selection_kwargs(self.config, budget)
+    def select(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, budget: float, scale: float,
+               window: int | None = None, force_density: float | None = None) -> Selection:
+        """This config's block selection of one row (q: [Hq, padded, D], k: [Hkv, padded, D] in `layout`) at
+        `budget`: the one call the attention, layer-level tuning and the bench probes share."""
+        cfg = self.config
+        return select_blocks(q, k, layout, **selection_kwargs(cfg, budget), k_min=cfg.k_min,
+                             sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, scale=scale, window=window,
+                             force_density=force_density, score_queries=cfg.score_queries)
 
     def force_density(self, density: float | None) -> None:
         """Profiling mode: every query block keeps round(density * causal blocks) (>= 1); None switches it off."""

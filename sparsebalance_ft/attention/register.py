@@ -15,7 +15,7 @@ refused; sinks (GPT-OSS) are folded into the softmax by the kernels; a chunk (Ll
 document into chunk-long pieces in the block layout (a chunk boundary is a document boundary for
 attention), so selection and kernels need nothing new.
 
-Host syncs per layer call on the sparse path (what stays, and why): `select_blocks` reads 2 maxima (the
+Host syncs per layer call on the sparse path (what stays, and why): the selection reads 2 maxima (the
 longest causal span sizes its chunks, the largest kept count its result), the torch kernel's `make_plan` reads the kept counts 3 times to
 group rows into chunks (the torch backend only; on CUDA the default is flex, whose mask is built without
 any), `from_layout` reads 1 flag (whether padding was dropped) when the layout is not the identity, and
@@ -44,7 +44,6 @@ from .selection import (
     from_layout,
     make_layout,
     sampled_recall,
-    select_blocks,
     to_layout,
 )
 
@@ -347,18 +346,14 @@ def _choose_route(controller, layer: int, qp, kp, layout: Layout, scale: float, 
     if full and window is None and not sinks and cfg.exact_dense_at_full_budget:
         return None, None  # every causal block kept: fused dense SDPA per document is the same computation
     with _single_thread():
-        sel: Selection = select_blocks(
-            qp[0].detach(), kp[0].detach(), layout, **controller.selection_kwargs(1.0 if full else budget),
-            k_min=cfg.k_min, sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, scale=scale,
-            force_density=None if full else forced, window=window, score_queries=cfg.score_queries,
-        )
+        q_sel, k_sel = qp[0].detach(), kp[0].detach()
+        sel: Selection = controller.select(q_sel, k_sel, layout, 1.0 if full else budget, scale, window,
+                                           force_density=None if full else forced)
         tuner = getattr(controller, "layer_tuner", None)
         if tuner is not None and forced is None and not full:
             # layer-level DST (balancer/layer_tuning.py): move this rank's selection toward the layer's target
-            sel = tuner.adjust(layer, sel, lambda b: select_blocks(
-                qp[0].detach(), kp[0].detach(), layout, **controller.selection_kwargs(b), k_min=cfg.k_min,
-                sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, scale=scale, window=window,
-                score_queries=cfg.score_queries), recompute)
+            sel = tuner.adjust(layer, sel, lambda b: controller.select(q_sel, k_sel, layout, b, scale, window),
+                               recompute)
         plan = None
         if resolve_backend(cfg.backend, qp.device) == "torch":
             plan = make_plan(sel.indices[None], sel.counts[None], layout.num_blocks, cfg.chunk_blocks)

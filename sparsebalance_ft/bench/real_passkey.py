@@ -21,11 +21,13 @@ import torch
 from ..attention.budget import SparseAttentionController
 from ..attention.config import SparsityConfig
 from ..data.synthetic import make_passkey
+from ..eval.engine import generate_greedy
 from ..eval.metrics import retrieval_exact
 from ..eval.passkey import special_overhead
 from .real_probe import probe_attention, selection_of
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+MAX_NEW_TOKENS = 8
 
 
 def passkey_prompt(tokenizer, length: int, depth: float, rng: random.Random) -> dict[str, Any]:
@@ -34,14 +36,6 @@ def passkey_prompt(tokenizer, length: int, depth: float, rng: random.Random) -> 
     enc = tokenizer(rec["prompt"], return_offsets_mapping=True)
     needle = [t for t, (a, b) in enumerate(enc["offset_mapping"]) if b > rec["needle_start"] and a < rec["needle_end"]]
     return {"ids": list(enc["input_ids"]), "key": rec["answer"], "needle": needle}
-
-
-def _greedy(model, ids: list[int], tokenizer, max_new_tokens: int = 8) -> str:
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
 
 
 def _needle_probe(controller: SparseAttentionController, needle: list[int]):
@@ -101,7 +95,8 @@ def passkey_curves(
             for depth, prompt in cases:
                 record, on_layer = _needle_probe(controller, prompt["needle"])
                 with probe_attention(model, on_layer):
-                    ok = retrieval_exact(_greedy(model, prompt["ids"], tokenizer), prompt["key"]) == 1.0
+                    answer = generate_greedy(model, tokenizer, [prompt["ids"]], MAX_NEW_TOKENS, batch_size=1)[0]
+                    ok = retrieval_exact(answer, prompt["key"]) == 1.0
                 hits += ok
                 by_depth.setdefault(f"{depth:g}", []).append(int(ok))
                 kept_layers.append(sum(record.values()))

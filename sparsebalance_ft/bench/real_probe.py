@@ -15,7 +15,7 @@ import torch
 
 from ..attention.budget import SparseAttentionController
 from ..attention.register import sparsebalance_attention_forward, sparsebalance_mask
-from ..attention.selection import Layout, Selection, make_layout, select_blocks, to_layout
+from ..attention.selection import Layout, Selection, make_layout, to_layout
 
 _PROBE = "sbft_probe"
 _HOOK = "_sbft_probe_hook"
@@ -60,7 +60,4 @@ def selection_of(controller: SparseAttentionController, layer: int, q: torch.Ten
         return None
     layout = make_layout([q.shape[1]], cfg.block_size, q.device)
     qp, kp = to_layout(q[None], layout)[0], to_layout(k[None], layout)[0]
-    sel = select_blocks(qp, kp, layout, **controller.selection_kwargs(budget), k_min=cfg.k_min,
-                        sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, scale=q.shape[-1] ** -0.5,
-                        score_queries=cfg.score_queries)
-    return sel, layout
+    return controller.select(qp, kp, layout, budget, q.shape[-1] ** -0.5), layout

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from sparsebalance_ft.attention import SparseAttentionController, SparsityConfig, register_sparse_attention
+from sparsebalance_ft.attention import budget as attention_budget
 from sparsebalance_ft.attention import register as attention_register
 
 VOCAB = 64
@@ -27,15 +28,15 @@ def _batch():
     return ids, pos
 
 
-def _counting(monkeypatch, name: str) -> list:
+def _counting(monkeypatch, module, name: str) -> list:
     calls = []
-    original = getattr(attention_register, name)
+    original = getattr(module, name)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(attention_register, name, counted)
+    monkeypatch.setattr(module, name, counted)
     return calls
 
 
@@ -63,8 +64,8 @@ def test_checkpoint_recompute_reuses_the_forward_selection(reentrant, monkeypatc
     checkpointed = _model()
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     ctl = SparseAttentionController.attach(checkpointed, config)
-    selections = _counting(monkeypatch, "select_blocks")
-    recalls = _counting(monkeypatch, "sampled_recall")
+    selections = _counting(monkeypatch, attention_budget, "select_blocks")  # the controller's select
+    recalls = _counting(monkeypatch, attention_register, "sampled_recall")
     loss, grads = _step(checkpointed, ctl, budget_after_forward=0.9)
     report = ctl.pop_report()
 

@@ -74,7 +74,8 @@ def test_sparse_attention_keeps_the_passkey(model_and_ids):
 
     from transformers import AutoTokenizer
 
-    from sparsebalance_ft.bench.real_passkey import _greedy, passkey_prompt
+    from sparsebalance_ft.bench.real_passkey import MAX_NEW_TOKENS, passkey_prompt
+    from sparsebalance_ft.eval.engine import generate_greedy
     from sparsebalance_ft.eval.metrics import retrieval_exact
 
     model, _ = model_and_ids
@@ -82,7 +83,7 @@ def test_sparse_attention_keeps_the_passkey(model_and_ids):
     controller = SparseAttentionController.attach(model, SparsityConfig())
     rng = random.Random(0)
     prompts = [passkey_prompt(tokenizer, 2048, depth, rng) for depth in (0.1, 0.5, 0.9)]
-    answers = [_greedy(model, p["ids"], tokenizer) for p in prompts]
+    answers = generate_greedy(model, tokenizer, [p["ids"] for p in prompts], MAX_NEW_TOKENS, batch_size=1)
     density = controller.pop_report().mean_density
     model.set_attn_implementation("sdpa")
     assert density < 0.7  # genuinely sparse at 2K
