@@ -139,20 +139,8 @@ class Selection:
     extra: dict = field(default_factory=dict)
 
 
-def allowed_blocks(layout: Layout, window: int | None = None) -> torch.Tensor:
-    """[nb, nb] bool: key block j may be attended by query block i (same document, causal, in window)."""
-    nb, bs = layout.num_blocks, layout.block_size
-    dev = layout.block_start.device
-    i = torch.arange(nb, device=dev)[:, None]
-    j = torch.arange(nb, device=dev)[None, :]
-    allowed = (j <= i) & (j >= layout.block_start[:, None])
-    if window is not None:
-        allowed &= (j * bs + bs - 1) > (i * bs - window)
-    return allowed
-
-
 def causal_counts(layout: Layout, window: int | None = None) -> torch.Tensor:
-    """Allowed key blocks per query block, without building the [nb, nb] grid."""
+    """Allowed key blocks per query block (same document, causal, in window), without an [nb, nb] grid."""
     nb, bs = layout.num_blocks, layout.block_size
     i = torch.arange(nb, device=layout.block_start.device)
     lo = layout.block_start

@@ -50,3 +50,14 @@ def full_selection(length, bs, hkv, batch=1):
     counts = torch.arange(1, nb + 1)
     return (idx[None, None].expand(batch, hkv, nb, nb).contiguous(),
             counts[None, None].expand(batch, hkv, nb).contiguous())
+
+
+def allowed_blocks(layout, window=None):
+    """[nb, nb] bool grid, built the obvious way: key block j may be attended by query block i (same document,
+    causal, some token within `window`). The library counts these without the grid (`causal_counts`)."""
+    nb, bs = layout.num_blocks, layout.block_size
+    allowed = torch.zeros(nb, nb, dtype=torch.bool)
+    for i in range(nb):
+        for j in range(int(layout.block_start[i]), i + 1):
+            allowed[i, j] = window is None or j * bs + bs - 1 > i * bs - window
+    return allowed

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _reference import allowed_blocks
 from sparsebalance_ft.attention import (
     NO_CAP,
     SparseAttentionController,
@@ -18,7 +19,7 @@ from sparsebalance_ft.attention import (
     select_blocks,
 )
 from sparsebalance_ft.attention.register import sparse_attention_row
-from sparsebalance_ft.attention.selection import allowed_blocks, causal_counts, documents_from_positions, sampled_recall
+from sparsebalance_ft.attention.selection import causal_counts, documents_from_positions, sampled_recall
 
 
 def _qk(hq=4, hkv=2, length=1024, d=32, seed=0):
