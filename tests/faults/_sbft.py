@@ -12,7 +12,9 @@ SBFT = [sys.executable, "-m", "sbft_cli.app"]
 
 
 def sbft_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "MASTER_", "SBFT_"))}
+    """The environment of a user's shell: no launcher or sbft settings, and no COLUMNS (pytest-xdist workers
+    set 80, and messages would wrap where a piped `sbft` prints them whole)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "MASTER_", "SBFT_", "COLUMNS"))}
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
