@@ -140,23 +140,28 @@ def flat_steps(points: list[dict], key: str = "density", tolerance: float = 0.00
 
 
 def save_curve_png(section: dict, path: str | Path) -> None:
-    """Density and loss gap against budget, one line per (rule, kind, length)."""
+    """Density and loss gap against budget, one line per (rule, kind, length): the colour names the text and
+    length, the line style the rule, so the rules compare at a glance on the same text."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for rule, kinds in section["curves"].items():
-        for kind, by_len in kinds.items():
-            for length, points in by_len.items():
+    texts = sorted({(kind, int(length)) for kinds in section["curves"].values() for kind, by_len in kinds.items()
+                    for length in by_len})
+    colour = {text: plt.cm.tab10(i % 10) for i, text in enumerate(texts)}
+    for r, rule in enumerate(sorted(section["curves"], key=lambda name: name != "mass")):
+        for kind, by_len in sorted(section["curves"][rule].items()):
+            for length, points in sorted(by_len.items(), key=lambda item: int(item[0])):
                 b = [p["budget"] for p in points]
-                label = f"{rule} {kind} {int(length) // 1024}K"
-                ax1.plot(b, [p["density"] for p in points], marker="o", ms=3, label=label)
-                ax2.plot(b, [p["loss_gap_pct"] for p in points], marker="o", ms=3, label=label)
+                style = dict(marker="o", ms=3, linestyle=("-", "--", ":")[r % 3], color=colour[(kind, int(length))],
+                             label=f"{rule} {kind} {int(length) // 1024}K")
+                ax1.plot(b, [p["density"] for p in points], **style)
+                ax2.plot(b, [p["loss_gap_pct"] for p in points], **style)
     ax1.set(xlabel="budget", ylabel="kept density", title="kept density (all layers)")
     ax2.set(xlabel="budget", ylabel="loss vs dense (%)", title="loss gap, sparse vs dense", yscale="symlog")
-    ax1.legend(fontsize=7)
+    ax1.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
