@@ -21,11 +21,12 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from ..attention.budget import SparseAttentionController
 from ..attention.config import SparsityConfig
 from ..attention.kernels import make_plan, resolve_backend
 from ..attention.kernels import block_sparse_attention as _kernel
 from ..attention.register import _single_thread
-from ..attention.selection import make_layout, select_blocks
+from ..attention.selection import make_layout
 
 DEFAULT_LENGTHS = (4096, 8192, 16384, 32768)
 DEFAULT_DENSITIES = (0.05, 0.1, 0.25, 1.0)
@@ -164,9 +165,8 @@ def _sparse_step(q, k, v, go, cfg: SparsityConfig, density: float, full_route: b
         return time.perf_counter() - t0, 0.0, 1.0, "dense-sdpa"
     layout = make_layout([length], bs, q.device)
     with _single_thread():
-        sel = select_blocks(q[0].detach(), k[0].detach(), layout, tau=cfg.tau, k_max=cfg.k_max, k_min=cfg.k_min,
-                            sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, scale=scale,
-                            force_density=min(density, 1.0))
+        sel = SparseAttentionController(cfg).select(q[0].detach(), k[0].detach(), layout, cfg.budget, scale,
+                                                    force_density=min(density, 1.0))
         backend = resolve_backend(cfg.backend, q.device)
         plan = make_plan(sel.indices[None], sel.counts[None], layout.num_blocks, cfg.chunk_blocks) if backend == "torch" else None
     _sync(device)

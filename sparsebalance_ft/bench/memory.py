@@ -12,7 +12,7 @@ Two training workloads, both through the training's own loss (`train.loss`):
   configure it, one packed document, forward + backward + AdamW step, with dense (SDPA) or
   sparse attention at the default budget, with or without gradient checkpointing.
 And one for the sparse attention's own overhead:
-- `selection`: one layer's block selection (`select_blocks` as the attention calls it, default
+- `selection`: one layer's block selection (`SparseAttentionController.select` as the attention calls it, default
   budget) on random queries and keys of one document; its figure is the temporary memory (peak
   less the RSS before the call, which holds q and k), plus the peak of live torch allocations and
   the largest of them from torch's profiler (a second call), which the allocator cannot blur.
@@ -172,13 +172,14 @@ def _model_step(case: MemoryCase, device) -> Callable[[], float]:
 
 
 def _selection_step(case: MemoryCase, device) -> Callable[[], float]:
-    """One layer's `select_blocks`, called as `attention.register._choose_route` calls it (the default
-    config's budget through `selection_kwargs`), on random q and k of one document; returns the kept density."""
+    """One layer's block selection, the call `attention.register._choose_route` makes
+    (`SparseAttentionController.select` at the default budget), on random q and k of one document; returns
+    the kept density."""
     import torch
 
     from ..attention import SparsityConfig
-    from ..attention.budget import selection_kwargs
-    from ..attention.selection import make_layout, select_blocks, to_layout
+    from ..attention.budget import SparseAttentionController
+    from ..attention.selection import make_layout, to_layout
 
     torch.manual_seed(0)
     config = SparsityConfig()
@@ -187,11 +188,10 @@ def _selection_step(case: MemoryCase, device) -> Callable[[], float]:
     layout = make_layout([case.tokens], config.block_size, device)
     q = to_layout(torch.randn(1, heads, case.tokens, head_dim, device=device), layout)[0]
     k = to_layout(torch.randn(1, kv_heads, case.tokens, head_dim, device=device), layout)[0]
-    kwargs = selection_kwargs(config, config.budget)
+    controller = SparseAttentionController(config)
 
     def select(q: torch.Tensor, k: torch.Tensor, layout) -> float:
-        sel = select_blocks(q, k, layout, **kwargs, k_min=config.k_min, sink_blocks=config.sink_blocks,
-                            local_blocks=config.local_blocks, scale=head_dim ** -0.5)
+        sel = controller.select(q, k, layout, config.budget, head_dim ** -0.5)
         return float(sel.counts.sum()) / float(sel.causal.sum() * kv_heads)
 
     # a first call on 16 blocks pages in the ops' code, which would otherwise count as the call's RSS

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..attention.budget import NO_CAP, budget_params, selection_kwargs
+from ..attention.budget import NO_CAP, SparseAttentionController, budget_params
 from ..attention.config import SparsityConfig
-from ..attention.selection import Layout, Selection, make_layout, select_blocks
+from ..attention.selection import Layout, Selection, make_layout
 from ..errors import UserError
 
 RULES = ("mass", "anchor")
@@ -67,13 +67,12 @@ def kept_mask(sel: Selection) -> torch.Tensor:
 def _sweep(cases: list[dict], layout: Layout, config: SparsityConfig, budgets: list[float], scale: float) -> list[dict]:
     """(budget, density, recall[, planted kept]) per budget, averaged over the cases (layers, sequences)."""
     points = []
+    controller = SparseAttentionController(config)
     for b in budgets:
         threshold, _ = budget_params(config, b)
-        rule = selection_kwargs(config, b)
         dens, rec, hit = [], [], []
         for case in cases:
-            sel = select_blocks(case["q"], case["k"], layout, **rule, k_min=config.k_min,
-                                sink_blocks=config.sink_blocks, local_blocks=config.local_blocks, scale=scale)
+            sel = controller.select(case["q"], case["k"], layout, b, scale)
             kept = kept_mask(sel)
             dens.append(float(sel.counts.sum()) / float(sel.causal.sum() * sel.counts.shape[0]))
             rec.append(float((case["mass"] * kept).sum(-1).mean()))
