@@ -36,7 +36,7 @@ class RealPlan:
     quick: bool = False
     density_docs_per_kind: int = 100
     density_min_tokens: int = 128
-    density_max_tokens: int = 4096
+    density_max_tokens: int = 8192  # SmolLM2's context: the calibration then reaches 8K measured, not extrapolated
     density_time_limit_s: float | None = None
     seed: int = 0
 

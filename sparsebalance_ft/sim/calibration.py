@@ -5,12 +5,18 @@ Input: the real-model benchmark's JSON (`bench_results/real/real.json`), whose `
 "compression_ratio", "token_diversity"}], "summary"}`: one row per document run at `budget`.
 
 Fitted, on log density (the simulator's truth is `s_i * mean * (L / ref) ** -exponent`), over the
-documents that did not keep every block (those are censored at 1.0):
+documents of at least `min_tokens` tokens (2,048 = 32 blocks of 64) that did not keep every block (those
+are censored at 1.0). Shorter documents are left out because there the anchors and `k_min` decide much of
+what is kept (at 1K tokens they cover 7 of a query block's at most 16 key blocks): on SmolLM2 the law bends
+there, and fitted through them it predicts 8K-token documents denser than they measure. When fewer than
+`MIN_DOCUMENTS` documents are that long (a `--quick` real-model run stops at 2K tokens), every uncensored
+document is used and `min_tokens` records the shortest one fitted:
 - `length_exponent`: minus the least-squares slope of log density on log length;
 - `mean`: the mean density at the reference length, with the lognormal spread's mean-one correction;
 - `sigma`: the standard deviation of the residual (content: what length does not explain);
 - `predicted_r2`: the share of that residual variance that `cost.documents`' own feature predictor
-  (compression ratio, token diversity, source) explains on documents it did not see (5-fold
+  (compression ratio, token diversity, and the document's kind as its source label; the file path would
+  be a label of one document) explains on documents it did not see (5-fold
   cross-validation; ridge 0.05, lighter than training's 1.0, which thousands of observations
   outweigh while a calibration set holds tens; 0 when it explains nothing or rows are too few).
 """
@@ -27,6 +33,7 @@ from ..cost.documents import feature_matrix
 from .lengths import SimInputError
 
 DENSE = 0.999  # at or above: every causal block kept
+MIN_DOCUMENTS = 10  # fewest long documents the fit uses before it falls back to every uncensored one
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,7 @@ class Calibration:
     length_exponent: float
     predicted_r2: float
     ref_length: float
+    min_tokens: int
     budget: float
     documents: int
     model: str
@@ -60,13 +68,15 @@ def _cross_validated_r2(X: np.ndarray, y: np.ndarray, folds: int = 5, ridge: flo
     return float(max(0.0, 1.0 - ((y - pred) ** 2).sum() / ss)) if ss > 0 else 0.0
 
 
-def calibrate(densities: dict[str, Any], ref_length: float = 8192.0) -> Calibration:
+def calibrate(densities: dict[str, Any], ref_length: float = 8192.0, min_tokens: int = 2048) -> Calibration:
     """Fit the density model to a `real["densities"]` entry (see the module docstring)."""
     rows = [d for d in densities.get("documents", []) if d.get("density") and d.get("tokens")]
     rows = [d for d in rows if 0.0 < float(d["density"]) <= 1.0 and int(d["tokens"]) > 0]
     # a document that kept every block (short ones: anchors cover it) says only "density >= 1": censored,
     # it would flatten the length slope, so it is left out of the fit
     rows = [d for d in rows if float(d["density"]) < DENSE]
+    long_rows = [d for d in rows if int(d["tokens"]) >= min_tokens]
+    rows = long_rows if len(long_rows) >= MIN_DOCUMENTS else rows
     if len(rows) < 3:
         raise SimInputError("density calibration: fewer than 3 usable documents (need tokens and a density in (0, 1))")
     L = np.array([float(d["tokens"]) for d in rows])
@@ -81,10 +91,10 @@ def calibrate(densities: dict[str, Any], ref_length: float = 8192.0) -> Calibrat
     mean = float(min(1.0, np.exp(intercept + 0.5 * sigma**2)))
     X = feature_matrix(L, [float(d.get("compression_ratio") or 0.0) for d in rows],
                        [float(d.get("token_diversity") or 0.0) for d in rows],
-                       [d.get("source") or d.get("kind") or "" for d in rows])
+                       [d.get("kind") or "" for d in rows])  # the kind plays a dataset's source label
     r2 = _cross_validated_r2(X, resid)
     return Calibration(mean=mean, sigma=sigma, length_exponent=float(-slope), predicted_r2=r2, ref_length=ref_length,
-                       budget=float(densities.get("budget", float("nan"))), documents=len(rows),
+                       min_tokens=int(L.min()), budget=float(densities.get("budget", float("nan"))), documents=len(rows),
                        model=str(densities.get("model", "?")))
 
 

@@ -61,16 +61,25 @@ def test_help_lists_the_fair_peers():
     assert "length-grouped" in result.output and "verl" in result.output and "--lookahead-steps" in result.output
 
 
-def test_density_calibration_from_the_real_model_contract(tmp_path):
-    """The reader of the real-model benchmark's density contract, on a small fixture."""
-    rng = np.random.default_rng(0)
+def calibration_fixture(rng, n: int, low: int, high: int) -> list[dict]:
+    """Documents whose density follows 0.3 (L / 8K)^-0.2, scaled by their compression ratio, from 2K
+    tokens up; below 2K the law bends (as the anchors make it on a real model): flatter and denser."""
     docs = []
-    for i in range(40):
-        tokens = int(rng.integers(512, 8192))
+    for _ in range(n):
+        tokens = int(rng.integers(low, high))
         compression = float(rng.uniform(0.2, 0.6))
-        density = float(np.clip(0.3 * (tokens / 8192) ** -0.2 * np.exp(1.5 * (compression - 0.4)), 0.02, 1.0))
-        docs.append({"kind": "code", "source": "stdlib", "tokens": tokens, "density": density,
-                     "compression_ratio": compression, "token_diversity": float(rng.uniform(0.1, 0.5))})
+        law = 0.3 * (tokens / 8192) ** -0.2 if tokens >= 2048 else 0.9 * (tokens / 2048) ** -0.05
+        density = float(np.clip(law * np.exp(1.5 * (compression - 0.4)), 0.02, 0.99))
+        docs.append({"kind": "code" if compression < 0.4 else "prose", "source": f"file{len(docs)}", "tokens": tokens,
+                     "density": density, "compression_ratio": compression, "token_diversity": float(rng.uniform(0.1, 0.5))})
+    return docs
+
+
+def test_density_calibration_from_the_real_model_contract(tmp_path):
+    """The reader of the real-model benchmark's density contract, on a small fixture: the law is fitted on
+    the documents of 2K tokens and more, censored ones (every block kept) left out."""
+    rng = np.random.default_rng(0)
+    docs = calibration_fixture(rng, 30, 2048, 8192) + calibration_fixture(rng, 30, 256, 2048)
     docs += [{"kind": "prose", "source": "short", "tokens": 100, "density": 1.0, "compression_ratio": 0.5,
               "token_diversity": 0.5}] * 5  # kept every block: censored, left out of the fit
     real = tmp_path / "real.json"
@@ -80,12 +89,23 @@ def test_density_calibration_from_the_real_model_contract(tmp_path):
     result = run("--synthetic", "300", "--ranks", "4", "--steps", "3", "--density-from", real, "--out", out)
     assert result.exit_code == 0, result.output
     model = json.loads((out / "simulation.json").read_text())["density_model"]
-    assert model["length_exponent"] == pytest.approx(0.2, abs=0.02)
+    assert model["length_exponent"] == pytest.approx(0.2, abs=0.02)  # through the short ones: far flatter
     assert model["predicted_r2"] > 0.8  # the fixture's density is a function of its compression ratio
-    assert model["calibration"]["documents"] == 40
+    assert model["calibration"]["documents"] == 30 and model["calibration"]["min_tokens"] >= 2048
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"densities": {"documents": "no"}}))
     assert "densities.documents" in one_line_error(run("--synthetic", "10", "--density-from", bad))
+
+
+def test_density_calibration_without_long_documents_fits_every_uncensored_one():
+    """A `--quick` real-model run stops at 2K tokens: the fit then takes what there is, and says from where."""
+    from sparsebalance_ft.sim.calibration import MIN_DOCUMENTS, calibrate
+
+    rng = np.random.default_rng(1)
+    docs = calibration_fixture(rng, 20, 256, 2048) + calibration_fixture(rng, MIN_DOCUMENTS - 1, 2048, 8192)
+    fit = calibrate({"budget": 0.5, "documents": docs})
+    assert fit.documents == len(docs) and fit.min_tokens < 2048
+    assert calibrate({"budget": 0.5, "documents": docs + calibration_fixture(rng, 1, 2048, 8192)}).documents == MIN_DOCUMENTS
 
 
 def one_line_error(result) -> str:
