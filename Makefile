@@ -44,7 +44,7 @@ PROFILE := $(RUNS)/tiny-llama-profile.json
 bench: bench-attention bench-selection simulate bench-balance bench-accuracy
 
 bench-attention: install
-	$(SBFT) bench attention --lengths 4096,8192,16384,32768 --densities 0.0625,0.1,1.0 --out $(BENCH)/attention.json
+	$(SBFT) bench attention --lengths 4096,8192,16384,32768 --densities 0.0625,0.1,1.0 --repeats 3 --out $(BENCH)/attention.json
 
 bench-selection: install $(MODEL)/config.json
 	$(SBFT) bench selection --model $(MODEL) --out $(BENCH)/selection.json

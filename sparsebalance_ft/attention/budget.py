@@ -27,7 +27,7 @@ import torch
 
 from .config import SparsityConfig
 from .register import CachedRoute, bind_controller, in_backward, register_sparse_attention
-from .selection import Layout, Selection, select_blocks
+from .selection import Layout, Selection, select_block_sets
 
 NO_CAP = 2**31 - 1  # k_max meaning "no cap"
 
@@ -62,13 +62,6 @@ def _tau_exponent(tau: float, default_budget: float) -> float:
     if not 0.0 < default_budget < 1.0:
         return 1.0
     return math.log(1.0 - tau) / math.log(1.0 - default_budget)
-
-
-def selection_kwargs(config: SparsityConfig, budget: float) -> dict[str, float | int]:
-    """The keyword arguments of `select_blocks` that `budget` maps to: the rule's threshold (`tau` for
-    `selection: mass`, `margin` for `selection: anchor`) and `k_max`."""
-    threshold, k_max = budget_params(config, budget)
-    return {"margin" if config.selection == "anchor" else "tau": threshold, "k_max": k_max}
 
 
 def _anchor_counts(nb: int, sink: int, local: int) -> np.ndarray:
@@ -212,10 +205,17 @@ class SparseAttentionController:
                window: int | None = None, force_density: float | None = None) -> Selection:
         """This config's block selection of one row (q: [Hq, padded, D], k: [Hkv, padded, D] in `layout`) at
         `budget`: the one call the attention, layer-level tuning and the bench probes share."""
+        return self.select_at(q, k, layout, [budget], scale, window, force_density)[0]
+
+    def select_at(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, budgets: list[float], scale: float,
+                  window: int | None = None, force_density: float | None = None) -> list[Selection]:
+        """`select` at each of `budgets`, from one scoring of the blocks (`select_block_sets`): layer-level
+        tuning needs the rank's budget, MIN and MAX for every layer, and scoring is most of a selection."""
         cfg = self.config
-        return select_blocks(q, k, layout, **selection_kwargs(cfg, budget), k_min=cfg.k_min,
-                             sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, scale=scale, window=window,
-                             force_density=force_density, score_queries=cfg.score_queries)
+        return select_block_sets(q, k, layout, cfg.selection, [budget_params(cfg, b) for b in budgets],
+                                 k_min=cfg.k_min, sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks,
+                                 scale=scale, window=window, force_density=force_density,
+                                 score_queries=cfg.score_queries)
 
     def force_density(self, density: float | None) -> None:
         """Profiling mode: every query block keeps round(density * causal blocks) (>= 1); None switches it off."""

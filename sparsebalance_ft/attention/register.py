@@ -29,7 +29,7 @@ import logging
 import math
 import time
 import zlib
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -161,19 +161,6 @@ def _controller_for(module: torch.nn.Module):
         raise ValueError("this model runs attn_implementation 'sparsebalance' without a controller: call "
                          "SparseAttentionController.attach(model, sparsity_config) first")
     return controller
-
-
-@contextmanager
-def _single_thread():
-    """Small ops (selection) run single-threaded: OpenMP regions on shared cores cost more than they save."""
-    prev = torch.get_num_threads()
-    if prev > 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if prev > 1:
-            torch.set_num_threads(prev)
 
 
 def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -345,18 +332,17 @@ def _choose_route(controller, layer: int, qp, kp, layout: Layout, scale: float, 
             or (forced is None and budget >= 1.0))
     if full and window is None and not sinks and cfg.exact_dense_at_full_budget:
         return None, None  # every causal block kept: fused dense SDPA per document is the same computation
-    with _single_thread():
-        q_sel, k_sel = qp[0].detach(), kp[0].detach()
-        sel: Selection = controller.select(q_sel, k_sel, layout, 1.0 if full else budget, scale, window,
-                                           force_density=None if full else forced)
-        tuner = getattr(controller, "layer_tuner", None)
-        if tuner is not None and forced is None and not full:
-            # layer-level DST (balancer/layer_tuning.py): move this rank's selection toward the layer's target
-            sel = tuner.adjust(layer, sel, lambda b: controller.select(q_sel, k_sel, layout, b, scale, window),
-                               recompute)
-        plan = None
-        if resolve_backend(cfg.backend, qp.device) == "torch":
-            plan = make_plan(sel.indices[None], sel.counts[None], layout.num_blocks, cfg.chunk_blocks)
+    tuner = getattr(controller, "layer_tuner", None)
+    tuning = tuner is not None and forced is None and not full
+    budgets = [1.0 if full else budget] + ([tuner.min_budget, tuner.max_budget] if tuning else [])
+    sel, *bounds = controller.select_at(qp[0].detach(), kp[0].detach(), layout, budgets, scale, window,
+                                        force_density=None if full else forced)
+    if tuning:
+        # layer-level DST (balancer/layer_tuning.py): move this rank's selection toward the layer's target
+        sel = tuner.adjust(layer, sel, *bounds, recompute)
+    plan = None
+    if resolve_backend(cfg.backend, qp.device) == "torch":
+        plan = make_plan(sel.indices[None], sel.counts[None], layout.num_blocks, cfg.chunk_blocks)
     return sel, plan
 
 

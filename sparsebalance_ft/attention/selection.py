@@ -34,6 +34,7 @@ Both rules keep a prefix of the same ranking, so a looser threshold or a higher 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -157,16 +158,19 @@ def pooled(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     return s / layout.block_tokens.clamp(min=1).to(s.dtype)[None, :, None]
 
 
-# Elements of one chunk's largest temporary (the sampled queries' logits): about 4 MiB in float32 on CPU;
-# a GPU takes bigger chunks, because each chunk is a kernel launch and a few MiB more cost nothing there.
-_CHUNK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 26}
+# Elements of one chunk's largest temporary (the sampled queries' logits): 16 MiB in float32 on CPU; a GPU
+# takes bigger chunks, because each chunk is a kernel launch and a few MiB more cost nothing there.
+_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
+# Most query blocks per chunk on CPU: 8 was the fastest measured at 1K-32K tokens. Fewer pay a few dozen
+# small ops per block (a third of the selection's time at 32K with one block per chunk); more leave the
+# cache and, at short lengths, score keys past the chunk's first rows' causal span.
+_CHUNK_ROWS_MAX = {"cpu": 8}
 
 
 def _chunk_elements(device: torch.device) -> int:
     return _CHUNK_ELEMENTS.get(device.type, _CHUNK_ELEMENTS["cuda"])
 
 
-@torch.no_grad()
 def select_blocks(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -183,33 +187,61 @@ def select_blocks(
     window: int | None = None,
     score_queries: int = 4,
 ) -> Selection:
-    """Select key blocks for one row. q: [Hq, padded, D], k: [Hkv, padded, D] in the layout.
-
-    Exactly one of `tau` (the mass rule) and `margin` (the anchor rule) is given. Query blocks are scored and
-    selected in chunks, so no temporary grows with (query blocks x key blocks): the largest is one chunk's
-    sampled logits, `_CHUNK_ELEMENTS` elements. Host syncs: two reads (the longest causal span, sizing the
-    chunks, and the largest kept count, sizing the result)."""
+    """Select key blocks for one row. q: [Hq, padded, D], k: [Hkv, padded, D] in the layout. Exactly one of
+    `tau` (the mass rule) and `margin` (the anchor rule) is given; see `select_block_sets`."""
     if (tau is None) == (margin is None):
         raise ValueError("select_blocks: give exactly one of tau (mass rule) and margin (anchor rule)")
+    rule = "mass" if margin is None else "anchor"
+    return select_block_sets(q, k, layout, rule, [(tau if margin is None else margin, k_max)], k_min=k_min,
+                             sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
+                             force_density=force_density, window=window, score_queries=score_queries)[0]
+
+
+@torch.no_grad()
+def select_block_sets(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    layout: Layout,
+    rule: str,
+    limits: Sequence[tuple[float, int]],
+    *,
+    k_min: int,
+    sink_blocks: int,
+    local_blocks: int,
+    scale: float,
+    force_density: float | None = None,
+    window: int | None = None,
+    score_queries: int = 4,
+) -> list[Selection]:
+    """One selection per (threshold, k_max) in `limits`, all from one scoring of the blocks: under `rule`
+    "mass" the threshold is `tau`, under "anchor" the margin. Every selection keeps a prefix of the same
+    ranking, so asking for several budgets (layer-level tuning wants the rank's, MIN's and MAX's) costs
+    one scoring, which is most of a selection's time, instead of one each.
+
+    Query blocks are scored and selected in chunks, so no temporary grows with (query blocks x key blocks):
+    the largest is one chunk's sampled logits, `_CHUNK_ELEMENTS` elements. Host syncs: two reads (the
+    longest causal span, sizing the chunks, and the largest kept count of each selection, sizing it)."""
+    if rule not in ("mass", "anchor") or not limits:
+        raise ValueError(f"select_block_sets: rule must be 'mass' or 'anchor' with at least one limit, got {rule!r}")
     hq, hkv = q.shape[0], k.shape[0]
     nb, dev = layout.num_blocks, q.device
     ar = torch.arange(nb, device=dev)
     causal = causal_counts(layout, window)
     lo = ar - causal + 1  # first allowed key block of each query block
-    loosest = tau >= 1.0 if margin is None else margin == math.inf
-    if (force_density is None and loosest and k_max >= nb) or (force_density is not None and force_density >= 1.0):
-        # every allowed block, ascending; slots past a row's count hold its diagonal (masked by counts)
-        slot = torch.arange(int(causal.max()), device=dev)
-        idx = torch.where(slot[None, :] < causal[:, None], lo[:, None] + slot[None, :], ar[:, None])
-        return Selection(idx[None].expand(hkv, -1, -1), causal[None].expand(hkv, nb).clone(), causal, full=True)
+    loosest = [(thr >= 1.0 if rule == "mass" else thr == math.inf) and k_max >= nb for thr, k_max in limits]
+    if (force_density is None and all(loosest)) or (force_density is not None and force_density >= 1.0):
+        return [_every_allowed_block(causal, hkv)] * len(limits)
 
     span = int(causal.max())
     per_block = hq * max(1, score_queries) * span * layout.block_size
-    chunk = max(1, _chunk_elements(dev) // per_block)
-    cap = min(span, max(k_max, sink_blocks + local_blocks, k_min)) if force_density is None else \
-        int(forced_count(causal, force_density).max())
+    chunk = max(1, min(_chunk_elements(dev) // per_block, _CHUNK_ROWS_MAX.get(dev.type, nb)))
+    if force_density is None:
+        cap = min(span, max(max(k_max for _, k_max in limits), sink_blocks + local_blocks, k_min))
+    else:
+        cap = int(forced_count(causal, force_density).max())
     qb, kb = pooled(q, layout), pooled(k, layout)
-    picks, counts = [], []
+    scratch = _sampled_scratch(q, k, chunk, span, nb, layout.block_size, score_queries)
+    picks, counts = [], [[] for _ in limits]
     for i0 in range(0, nb, chunk):
         i1 = min(nb, i0 + chunk)
         k0 = max(0, i0 - span + 1)  # the chunk's key blocks k0..i1-1 hold every allowed one
@@ -218,7 +250,7 @@ def select_blocks(
         allowed = (j[None, :] >= lo[rows, None]) & (j[None, :] <= rows[:, None])  # [C, nk]
         p = _pooled_shares(qb[:, i0:i1], kb[:, k0:i1], layout.block_tokens[k0:i1], allowed, scale)
         if score_queries > 0:
-            sampled = _sampled_shares(q, k, layout, i0, i1, k0, lo, window, scale, score_queries)
+            sampled = _sampled_shares(q, k, layout, i0, i1, k0, lo, window, scale, score_queries, scratch)
             p = torch.maximum(p, sampled)
             p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
         anchor = allowed & (((j[None, :] - layout.block_start[rows, None]) < sink_blocks)
@@ -226,24 +258,39 @@ def select_blocks(
         n_anchor = anchor.sum(-1)  # [C]
         prio = torch.where(anchor, 2.0 + (rows[:, None] == j[None, :]).float(), p).masked_fill(~allowed, -1.0)
         order = prio.topk(min(cap, j.numel()), dim=-1, sorted=True).indices  # [Hkv, C, cap]
-        if force_density is not None:
-            n = forced_count(causal[i0:i1], force_density)[None].expand(hkv, -1)
-        else:
-            if margin is None:
-                n_thr = n_anchor[None] + _within_mass(p, prio, order, allowed & ~anchor, tau)
+        picks.append(F.pad(order + k0, (0, cap - order.shape[-1]), value=0))
+        for (threshold, k_max), out in zip(limits, counts):
+            if force_density is not None:
+                out.append(forced_count(causal[i0:i1], force_density)[None].expand(hkv, -1))
+                continue
+            if rule == "mass":
+                n_thr = n_anchor[None] + _within_mass(p, prio, order, allowed & ~anchor, threshold)
             else:
-                n_thr = n_anchor[None] + _within_margin(p.log(), anchor, allowed, rows - k0, margin).sum(-1)
+                n_thr = n_anchor[None] + _within_margin(p.log(), anchor, allowed, rows - k0, threshold).sum(-1)
             n = torch.maximum(n_thr, n_anchor[None]).clamp(min=k_min)
             n = torch.minimum(n, torch.clamp(n_anchor, min=k_max)[None])
-            n = torch.minimum(n, causal[None, i0:i1])
-        picks.append(F.pad(order + k0, (0, cap - order.shape[-1]), value=0))
-        counts.append(n)
-    n = torch.cat(counts, 1)
-    K = int(n.max())
-    idx = torch.cat(picks, 1)[..., :K]
-    slot = torch.arange(K, device=dev)
-    idx = torch.where(slot[None, None, :] < n[..., None], idx, ar[None, :, None].expand_as(idx))
-    return Selection(idx.contiguous(), n.contiguous(), causal, full=False)
+            out.append(torch.minimum(n, causal[None, i0:i1]))
+    ranked = torch.cat(picks, 1)
+    sets = []
+    for full, out in zip(loosest, counts):
+        if full:  # exactly every allowed block, as when every limit is the loosest
+            sets.append(_every_allowed_block(causal, hkv))
+            continue
+        n = torch.cat(out, 1)
+        K = int(n.max())
+        slot = torch.arange(K, device=dev)
+        idx = torch.where(slot[None, None, :] < n[..., None], ranked[..., :K], ar[None, :, None])
+        sets.append(Selection(idx.contiguous(), n.contiguous(), causal, full=False))
+    return sets
+
+
+def _every_allowed_block(causal: torch.Tensor, hkv: int) -> Selection:
+    """Every allowed key block of each query block, ascending; slots past a row's count hold its diagonal."""
+    nb = causal.numel()
+    ar = torch.arange(nb, device=causal.device)
+    slot = torch.arange(int(causal.max()), device=causal.device)
+    idx = torch.where(slot[None, :] < causal[:, None], ar[:, None] - causal[:, None] + 1 + slot[None, :], ar[:, None])
+    return Selection(idx[None].expand(hkv, -1, -1), causal[None].expand(hkv, nb).clone(), causal, full=True)
 
 
 def _within_mass(p: torch.Tensor, prio: torch.Tensor, order: torch.Tensor, rest: torch.Tensor,
@@ -271,11 +318,23 @@ def _pooled_shares(qb: torch.Tensor, kb: torch.Tensor, block_tokens: torch.Tenso
     return torch.softmax(s, dim=-1).mean(1).masked_fill_(~allowed, 0.0)
 
 
+def _sampled_scratch(q: torch.Tensor, k: torch.Tensor, chunk: int, span: int, nb: int, block_size: int,
+                     per_block: int) -> torch.Tensor:
+    """One flat buffer for every chunk's sampled logits, sized for the largest. A fresh multi-MiB tensor per
+    chunk is, on CPU, a fresh mmap and its page faults: that doubled the selection's time at 32K tokens."""
+    hq, hkv = q.shape[0], k.shape[0]
+    rows, keys = chunk * max(1, per_block), min(nb, span + chunk - 1) * block_size
+    every_head = hq * rows * keys
+    size = max(min(every_head, _chunk_elements(q.device)), hq // hkv * rows * keys) if per_block > 0 else 0
+    return torch.empty(size, dtype=q.dtype, device=q.device)
+
+
 def _sampled_shares(q: torch.Tensor, k: torch.Tensor, layout: Layout, i0: int, i1: int, k0: int, lo: torch.Tensor,
-                    window: int | None, scale: float, per_block: int) -> torch.Tensor:
+                    window: int | None, scale: float, per_block: int, scratch: torch.Tensor) -> torch.Tensor:
     """[Hkv, C, nk] exact softmax mass per key block of `per_block` query tokens of each query block (evenly
     spaced, ending at its last real token), averaged over them and the group's query heads. Sharp where the
-    pooled estimate is blind: the block holding a retrieved fact gets the mass its reader gives it."""
+    pooled estimate is blind: the block holding a retrieved fact gets the mass its reader gives it. The
+    logits live in `scratch` (`_sampled_scratch`) and are exponentiated in place."""
     hq, hkv, bs = q.shape[0], k.shape[0], layout.block_size
     dev = q.device
     rows = torch.arange(i0, i1, device=dev)
@@ -288,17 +347,24 @@ def _sampled_shares(q: torch.Tensor, k: torch.Tensor, layout: Layout, i0: int, i
     visible &= kblock[None, :] >= lo[qpos // bs, None]
     if window is not None:
         visible &= kpos[None, :] > qpos[:, None] - window
-    g, d = hq // hkv, q.shape[-1]
-    qs = q[:, qpos].reshape(hkv, g * qpos.numel(), d)
+    hidden = ~visible
+    cols = hidden.any(0).nonzero().squeeze(1)  # the few key columns some sampled query must not see
+    hidden = hidden[:, cols]
+    g, d, nq, nk = hq // hkv, q.shape[-1], qpos.numel(), kpos.numel()
+    qs = (q[:, qpos] * scale).reshape(hkv, g * nq, d)
     ks = k[:, k0 * bs:i1 * bs]
     # one key-value head at a time when even one query block's logits pass the chunk budget (very long rows)
-    step = 1 if hq * qpos.numel() * kpos.numel() > _chunk_elements(q.device) else hkv
+    step = 1 if hq * nq * nk > _chunk_elements(q.device) else hkv
     shares = []
     for h in range(0, hkv, step):
-        logits = torch.matmul(qs[h:h + step], ks[h:h + step].transpose(-1, -2)).float().mul_(scale)  # q's dtype
-        logits = logits.view(-1, g, qpos.numel(), kpos.numel()).masked_fill_(~visible, _NEG_INF)
-        prob = torch.softmax(logits, -1)  # every sampled token sees itself: no row is all -inf
-        shares.append(prob.view(-1, g, i1 - i0, per_block, i1 - k0, bs).sum(-1).mean((1, 3)))
+        heads = min(step, hkv - h)
+        out = scratch[:heads * g * nq * nk].view(heads, g * nq, nk)
+        logits = torch.matmul(qs[h:h + heads], ks[h:h + heads].transpose(-1, -2), out=out).float()  # q's dtype
+        logits = logits.view(heads, g, nq, nk)
+        logits[..., cols] = logits[..., cols].masked_fill_(hidden, _NEG_INF)  # one pass over those columns only
+        logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # every sampled token sees itself: no row is all -inf
+        mass = logits.view(heads, g, i1 - i0, per_block, i1 - k0, bs).sum(-1)
+        shares.append((mass / mass.sum(-1, keepdim=True)).mean((1, 3)))  # the softmax's share of each block
     return torch.cat(shares, 0)
 
 

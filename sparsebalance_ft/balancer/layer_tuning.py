@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import numpy as np
 import torch
@@ -129,17 +128,17 @@ class LayerTuner:
         self.exchange_seconds += time.perf_counter() - started
         return out
 
-    def adjust(self, layer: int, sel, select_at: Callable[[float], object], in_backward: bool = False):
+    def adjust(self, layer: int, sel, lo_sel, hi_sel, in_backward: bool = False):
         """The selection this layer runs with: `sel` (chosen at the rank's budget) moved toward the target.
 
-        `select_at(budget)` selects the same layer's blocks at another budget (same ranking). In
-        backward (a gradient-checkpoint recompute) the first forward's result is returned as is.
+        `lo_sel` and `hi_sel` are the same layer's selections at MIN and MAX budget, from the same ranking
+        (`SparseAttentionController.select_at` scores once for all three). In backward (a gradient-checkpoint
+        recompute) the first forward's result is returned as is.
         """
         if in_backward:
             return self._cache.get(layer, sel)
         micro_batch = self._done // max(self.hooked_layers, 1)
         cost = self._costs[micro_batch] if micro_batch < len(self._costs) else LayerCost(0.0, 0.0)
-        lo_sel, hi_sel = select_at(self.min_budget), select_at(self.max_budget)
         c_now, c_lo, c_hi = sel.counts, torch.minimum(lo_sel.counts, sel.counts), torch.maximum(hi_sel.counts, sel.counts)
         times = np.array([cost.linear + cost.per_block * float(c.sum()) for c in (c_now, c_lo, c_hi)])
         gathered = self._exchange(times)

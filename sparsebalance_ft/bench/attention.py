@@ -25,7 +25,6 @@ from ..attention.budget import SparseAttentionController
 from ..attention.config import SparsityConfig
 from ..attention.kernels import make_plan, resolve_backend
 from ..attention.kernels import block_sparse_attention as _kernel
-from ..attention.register import _single_thread
 from ..attention.selection import make_layout
 
 DEFAULT_LENGTHS = (4096, 8192, 16384, 32768)
@@ -164,11 +163,10 @@ def _sparse_step(q, k, v, go, cfg: SparsityConfig, density: float, full_route: b
         _sync(device)
         return time.perf_counter() - t0, 0.0, 1.0, "dense-sdpa"
     layout = make_layout([length], bs, q.device)
-    with _single_thread():
-        sel = SparseAttentionController(cfg).select(q[0].detach(), k[0].detach(), layout, cfg.budget, scale,
-                                                    force_density=min(density, 1.0))
-        backend = resolve_backend(cfg.backend, q.device)
-        plan = make_plan(sel.indices[None], sel.counts[None], layout.num_blocks, cfg.chunk_blocks) if backend == "torch" else None
+    sel = SparseAttentionController(cfg).select(q[0].detach(), k[0].detach(), layout, cfg.budget, scale,
+                                                force_density=min(density, 1.0))
+    backend = resolve_backend(cfg.backend, q.device)
+    plan = make_plan(sel.indices[None], sel.counts[None], layout.num_blocks, cfg.chunk_blocks) if backend == "torch" else None
     _sync(device)
     t_sel = time.perf_counter() - t0
     o = _kernel(q, k, v, sel.indices[None], sel.counts[None], block_size=bs, scale=scale, backend=backend,

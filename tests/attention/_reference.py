@@ -61,3 +61,24 @@ def allowed_blocks(layout, window=None):
         for j in range(int(layout.block_start[i]), i + 1):
             allowed[i, j] = window is None or j * bs + bs - 1 > i * bs - window
     return allowed
+
+
+def sampled_block_shares(q, k, layout, per_block, scale, window=None):
+    """[Hkv, nb, nb] the selection's sampled scores, the plain way, one query token at a time: for each query
+    block, `per_block` tokens evenly spaced and ending at its last real token; each one's softmax over every
+    key token it may see (same document, not later, a real token, within `window`), summed per key block;
+    averaged over the tokens and the group's query heads."""
+    hq, hkv, bs, nb = q.shape[0], k.shape[0], layout.block_size, layout.num_blocks
+    g = hq // hkv
+    out = torch.zeros(hkv, nb, nb, dtype=torch.float64)
+    for r in range(nb):
+        real = max(1, int(layout.block_tokens[r]))
+        for t in range(1, per_block + 1):
+            i = r * bs + max(0, t * real // per_block - 1)
+            keys = [j for j in range(i + 1) if layout.block_doc[j // bs] == layout.block_doc[r]
+                    and j % bs < int(layout.block_tokens[j // bs]) and (window is None or j > i - window)]
+            for h in range(hq):
+                p = torch.softmax(scale * (k[h // g, keys].double() @ q[h, i].double()), 0)
+                for j, pj in zip(keys, p):
+                    out[h // g, r, j // bs] += pj / (g * per_block)
+    return out

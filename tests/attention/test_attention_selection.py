@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _reference import allowed_blocks
+from _reference import allowed_blocks, sampled_block_shares
 from sparsebalance_ft.attention import (
     NO_CAP,
     SparseAttentionController,
@@ -256,11 +256,59 @@ def test_chunked_selection_equals_one_chunk(monkeypatch, rule, docs, window, sco
     qp, kp = (selection.to_layout(x[None], layout)[0] for x in (q, k))
     kw = dict(rule, k_max=5, k_min=2, sink_blocks=1, local_blocks=2, scale=0.2, window=window,
               score_queries=score_queries)
+    monkeypatch.setitem(selection._CHUNK_ELEMENTS, "cpu", 1 << 40)
+    monkeypatch.setitem(selection._CHUNK_ROWS_MAX, "cpu", layout.num_blocks)  # every query block in one chunk
     whole = select_blocks(qp, kp, layout, **kw)
+    monkeypatch.setitem(selection._CHUNK_ROWS_MAX, "cpu", 3)  # chunks of 3 query blocks, the last one shorter
+    by_three = select_blocks(qp, kp, layout, **kw)
     monkeypatch.setitem(selection._CHUNK_ELEMENTS, "cpu", 1)  # one query block per chunk
-    chunked = select_blocks(qp, kp, layout, **kw)
-    assert torch.equal(whole.counts, chunked.counts)
-    assert _kept_sets(whole) == _kept_sets(chunked)
+    by_one = select_blocks(qp, kp, layout, **kw)
+    for chunked in (by_three, by_one):
+        assert torch.equal(whole.counts, chunked.counts)
+        assert _kept_sets(whole) == _kept_sets(chunked)
+
+
+@pytest.mark.parametrize("docs,window", [([200], None), ([100, 150, 64, 90], None), ([300], 70)])
+def test_sampled_shares_equal_a_plain_softmax_per_token(monkeypatch, docs, window):
+    """The sampled scores (logits in a reused scratch, masked only on the columns that need it, exponentiated
+    in place) equal each sampled token's own softmax summed per key block, in every chunking."""
+    from sparsebalance_ft.attention import selection
+
+    q, k = _qk(hq=4, hkv=2, length=sum(docs), d=16)
+    layout = make_layout(docs, 32)
+    qp, kp = (selection.to_layout(x[None], layout)[0] for x in (q, k))
+    nb = layout.num_blocks
+    causal = causal_counts(layout, window)
+    lo = torch.arange(nb) - causal + 1
+    want = sampled_block_shares(qp, kp, layout, 3, 0.3, window)
+    for rows in (nb, 2, 1):
+        got = torch.zeros(2, nb, nb, dtype=torch.float64)
+        span = int(causal.max())
+        scratch = selection._sampled_scratch(qp, kp, rows, span, nb, 32, 3)
+        for i0 in range(0, nb, rows):
+            i1, k0 = min(nb, i0 + rows), max(0, i0 - span + 1)
+            got[:, i0:i1, k0:i1] = selection._sampled_shares(qp, kp, layout, i0, i1, k0, lo, window, 0.3, 3,
+                                                             scratch).double()
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("selection", ["mass", "anchor"])
+@pytest.mark.parametrize("docs,window", [([1024], None), ([300, 500, 64, 200], None), ([1500], 300)])
+def test_several_budgets_from_one_scoring_equal_one_selection_each(selection, docs, window):
+    """`select_at` (layer tuning's rank, MIN and MAX budgets from one scoring) keeps, at each budget, exactly
+    the blocks `select` keeps at that budget alone, full budget included."""
+    from sparsebalance_ft.attention import selection as sel_mod
+
+    q, k = _qk(hq=6, hkv=2, length=sum(docs))
+    layout = make_layout(docs, 64)
+    qp, kp = (sel_mod.to_layout(x[None], layout)[0] for x in (q, k))
+    ctl = SparseAttentionController(SparsityConfig(selection=selection, k_max=6, k_min=2))
+    budgets = [0.5, 0.15, 0.9, 1.0]
+    together = ctl.select_at(qp, kp, layout, budgets, 0.2, window)
+    for budget, got in zip(budgets, together):
+        alone = ctl.select(qp, kp, layout, budget, 0.2, window)
+        assert torch.equal(got.counts, alone.counts) and got.full == alone.full
+        assert _kept_sets(got) == _kept_sets(alone)
 
 
 def test_query_scoring_keeps_the_block_a_query_retrieves():

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sparsebalance_ft.attention.budget import selection_kwargs
+from sparsebalance_ft.attention.budget import SparseAttentionController
 from sparsebalance_ft.attention.config import SparsityConfig
-from sparsebalance_ft.attention.selection import make_layout, select_blocks, to_layout
+from sparsebalance_ft.attention.selection import make_layout, to_layout
 from sparsebalance_ft.balancer.layer_tuning import LayerCost, LayerTuner, blend_counts, layer_target, move_toward
 
 CFG = SparsityConfig(block_size=16, k_min=2, k_max=6, budget=0.5, sink_blocks=1, local_blocks=2)
@@ -53,8 +53,7 @@ def _layer_inputs(seed=0, length=160):
     qp, kp = to_layout(q, layout)[0], to_layout(k, layout)[0]
 
     def select_at(b):
-        return select_blocks(qp, kp, layout, **selection_kwargs(CFG, b), k_min=CFG.k_min,
-                             sink_blocks=CFG.sink_blocks, local_blocks=CFG.local_blocks, scale=0.25)
+        return SparseAttentionController(CFG).select(qp, kp, layout, b, scale=0.25)
 
     return select_at
 
@@ -82,7 +81,7 @@ def test_straggler_drops_lowest_ranked_and_waiter_adds_next_ranked(peer_scale, d
     now = float(sel.counts.sum())
     tuner = ScriptedTuner(peer=[now * peer_scale, now * peer_scale * 0.5, now * peer_scale * 2])
     tuner.begin_step([LayerCost(0.0, per_block)], 1)
-    out = tuner.adjust(0, sel, select_at)
+    out = tuner.adjust(0, sel, lo, hi)
     moved = int(out.counts.sum() - sel.counts.sum())
     assert np.sign(moved) == direction
     assert torch.all(out.counts >= lo.counts) and torch.all(out.counts <= hi.counts)
@@ -100,8 +99,8 @@ def test_recompute_in_backward_reuses_the_decision_without_communicating():
     now = float(sel.counts.sum())
     tuner = ScriptedTuner(peer=[0.3 * now, 0.2 * now, 0.5 * now])
     tuner.begin_step([LayerCost(0.0, 1.0)], 1)
-    first = tuner.adjust(0, sel, select_at)
-    again = tuner.adjust(0, select_at(0.5), select_at, in_backward=True)
+    first = tuner.adjust(0, sel, select_at(0.1), select_at(0.9))
+    again = tuner.adjust(0, select_at(0.5), select_at(0.1), select_at(0.9), in_backward=True)
     assert again is first and len(tuner.sent) == 1
     tuner.finish_step()
     assert len(tuner.sent) == 1  # nothing left to join
@@ -131,8 +130,8 @@ def test_gradient_checkpointing_recompute_selects_the_same_blocks(tmp_path):
             self.exchanges += 1
             return np.vstack([row, 2.0 * row + 1.0])
 
-        def adjust(self, layer, sel, select_at, in_backward=False):
-            out = super().adjust(layer, sel, select_at, in_backward)
+        def adjust(self, layer, sel, lo_sel, hi_sel, in_backward=False):
+            out = super().adjust(layer, sel, lo_sel, hi_sel, in_backward)
             (self.backward_sel if in_backward else self.forward_sel)[layer] = out.indices.clone(), out.counts.clone()
             return out
 
@@ -174,7 +173,7 @@ def _uneven_worker(rank, port, out_dir):
         for m in range(real):
             for layer in range(layers):
                 select_at = _layer_inputs(seed=10 * rank + m + layer, length=160 + 32 * rank)
-                counts.append(int(tuner.adjust(layer, select_at(0.5), select_at).counts.sum()))
+                counts.append(int(tuner.adjust(layer, select_at(0.5), select_at(0.1), select_at(0.9)).counts.sum()))
         tuner.finish_step()
         dist.barrier()
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
