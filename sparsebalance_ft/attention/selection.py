@@ -228,7 +228,9 @@ def select_block_sets(
     ar = torch.arange(nb, device=dev)
     causal = causal_counts(layout, window)
     lo = ar - causal + 1  # first allowed key block of each query block
-    loosest = [(thr >= 1.0 if rule == "mass" else thr == math.inf) and k_max >= nb for thr, k_max in limits]
+    # a limit that keeps every allowed block, unless a forced density decides the counts instead
+    loosest = [force_density is None and (thr >= 1.0 if rule == "mass" else thr == math.inf) and k_max >= nb
+               for thr, k_max in limits]
     if (force_density is None and all(loosest)) or (force_density is not None and force_density >= 1.0):
         return [_every_allowed_block(causal, hkv)] * len(limits)
 

@@ -154,11 +154,12 @@ def test_controller_runs_the_anchor_rule():
     assert float(sel.counts.sum()) < float(sel.causal.sum() * 2)
 
 
-def test_force_density_counts():
+@pytest.mark.parametrize("tau,k_max", [(0.9, 4), (1.0, NO_CAP)])  # a forced density overrides even full budget
+def test_force_density_counts(tau, k_max):
     q, k = _qk(length=2048)
     layout = make_layout([2048], 64)
     for d in (0.05, 0.3, 0.77):
-        sel = select_blocks(q, k, layout, tau=0.9, k_max=4, k_min=2, sink_blocks=1, local_blocks=2, scale=0.2,
+        sel = select_blocks(q, k, layout, tau=tau, k_max=k_max, k_min=2, sink_blocks=1, local_blocks=2, scale=0.2,
                             force_density=d)
         want = torch.clamp(torch.round(d * sel.causal.double()).long(), min=1)
         assert torch.equal(sel.counts, torch.minimum(want, sel.causal)[None].expand_as(sel.counts))
