@@ -242,7 +242,7 @@ def select_block_sets(
     else:
         cap = int(forced_count(causal, force_density).max())
     qb, kb = pooled(q, layout), pooled(k, layout)
-    scratch = _sampled_scratch(q, k, chunk, span, nb, layout.block_size, score_queries)
+    scratch = _sampled_scratch(q, k, chunk, span, nb, layout.block_size, score_queries) if score_queries > 0 else None
     picks, counts = [], [[] for _ in limits]
     for i0 in range(0, nb, chunk):
         i1 = min(nb, i0 + chunk)
@@ -261,14 +261,18 @@ def select_block_sets(
         prio = torch.where(anchor, 2.0 + (rows[:, None] == j[None, :]).float(), p).masked_fill(~allowed, -1.0)
         order = prio.topk(min(cap, j.numel()), dim=-1, sorted=True).indices  # [Hkv, C, cap]
         picks.append(F.pad(order + k0, (0, cap - order.shape[-1]), value=0))
+        if force_density is not None:
+            forced = forced_count(causal[i0:i1], force_density)[None].expand(hkv, -1)
+            for out in counts:
+                out.append(forced)
+            continue
+        rest = allowed & ~anchor  # shared by every limit
+        logp = p.log() if rule == "anchor" else None
         for (threshold, k_max), out in zip(limits, counts):
-            if force_density is not None:
-                out.append(forced_count(causal[i0:i1], force_density)[None].expand(hkv, -1))
-                continue
             if rule == "mass":
-                n_thr = n_anchor[None] + _within_mass(p, prio, order, allowed & ~anchor, threshold)
+                n_thr = n_anchor[None] + _within_mass(p, prio, order, rest, threshold)
             else:
-                n_thr = n_anchor[None] + _within_margin(p.log(), anchor, allowed, rows - k0, threshold).sum(-1)
+                n_thr = n_anchor[None] + _within_margin(logp, anchor, allowed, rows - k0, threshold).sum(-1)
             n = torch.maximum(n_thr, n_anchor[None]).clamp(min=k_min)
             n = torch.minimum(n, torch.clamp(n_anchor, min=k_max)[None])
             out.append(torch.minimum(n, causal[None, i0:i1]))
@@ -325,9 +329,9 @@ def _sampled_scratch(q: torch.Tensor, k: torch.Tensor, chunk: int, span: int, nb
     """One flat buffer for every chunk's sampled logits, sized for the largest. A fresh multi-MiB tensor per
     chunk is, on CPU, a fresh mmap and its page faults: that doubled the selection's time at 32K tokens."""
     hq, hkv = q.shape[0], k.shape[0]
-    rows, keys = chunk * max(1, per_block), min(nb, span + chunk - 1) * block_size
-    every_head = hq * rows * keys
-    size = max(min(every_head, _chunk_elements(q.device)), hq // hkv * rows * keys) if per_block > 0 else 0
+    rows, keys = chunk * per_block, min(nb, span + chunk - 1) * block_size
+    # every head at once within the chunk budget; one key-value head's group at a time past it
+    size = max(min(hq * rows * keys, _chunk_elements(q.device)), hq // hkv * rows * keys)
     return torch.empty(size, dtype=q.dtype, device=q.device)
 
 
