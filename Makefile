@@ -41,7 +41,7 @@ BENCH   := bench_results
 TINY    := --set model.path=$(MODEL) --set data.path=$(STDLIB)
 PROFILE := $(RUNS)/tiny-llama-profile.json
 
-bench: bench-attention bench-selection simulate bench-balance bench-accuracy
+bench: bench-attention bench-selection simulate simulate-spread bench-balance bench-accuracy
 
 bench-attention: install
 	$(SBFT) bench attention --lengths 4096,8192,16384,32768 --densities 0.0625,0.1,1.0 --repeats 3 --out $(BENCH)/attention.json
@@ -66,6 +66,20 @@ simulate: install
 	$(SBFT) simulate --long-tail 8000 --max-len 131072 $(SIM_GRID) --out $(BENCH)/simulate-long-tail
 	$(SBFT) simulate --from-text-dir $(STDLIB) --glob '**/*.py' --min-bytes 64 --max-len 131072 --ranks 8 $(DENSITY_FROM) \
 		--scale-check --markdown --out $(BENCH)/simulate-references
+
+# What-if on the calibrated model: the per-document density spread that length leaves, from the measured
+# log-sigma (0.1) up to 10x it; remembered densities, 4 documents per rank, every tuning on both sides.
+SPREADS := 0.1 0.25 0.5 1.0
+SPREAD_GRID := --ranks 8,64 --docs-per-rank 4 --knowledge remembered --policies length-grouped,verl,sparsebalance \
+		--tuning none,bidirectional,layer --markdown $(DENSITY_FROM)
+.PHONY: simulate-spread
+simulate-spread: install
+	for s in $(SPREADS); do \
+		$(SBFT) simulate --from-text-dir $(STDLIB) --glob '**/*.py' --min-bytes 64 --max-len 131072 $(SPREAD_GRID) \
+			--density-sigma $$s --out $(BENCH)/simulate-spread/stdlib-sigma$$s || exit 1; \
+		$(SBFT) simulate --long-tail 8000 --max-len 131072 $(SPREAD_GRID) \
+			--density-sigma $$s --out $(BENCH)/simulate-spread/long-tail-sigma$$s || exit 1; \
+	done
 
 $(PROFILE): | install $(MODEL)/config.json
 	$(SBFT) profile recipes/bench-balance.yaml $(TINY) --threads 1 --out $@

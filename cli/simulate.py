@@ -53,12 +53,12 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option("llama-8b", "--model", help="Analytic preset (llama-8b) when no --profile/--hf-config."),
         hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="Analytic model from a HF config.json or model dir."),
         flops_per_s: float = typer.Option(4.0e14, "--flops-per-s", help="Achieved FLOP/s of the analytic model."),
-        density_mean: float = typer.Option(0.3, "--density-mean", help="Mean attention density at the default budget."),
-        density_sigma: float = typer.Option(0.5, "--density-sigma", help="Log-sigma of per-document density around the mean."),
-        length_exponent: float = typer.Option(0.0, "--length-exponent", help="Density ~ length^-x (longer documents sparser)."),
+        density_mean: Optional[float] = typer.Option(None, "--density-mean", help="Mean attention density at the default budget [default: 0.3, or --density-from's]."),
+        density_sigma: Optional[float] = typer.Option(None, "--density-sigma", help="Log-sigma of per-document density around the mean [default: 0.5, or --density-from's]."),
+        length_exponent: Optional[float] = typer.Option(None, "--length-exponent", help="Density ~ length^-x (longer documents sparser) [default: 0, or --density-from's]."),
         density_stats: Optional[Path] = typer.Option(None, "--density-stats", help="Saved DensityStats state (JSON) as the mean density."),
-        density_from: Optional[Path] = typer.Option(None, "--density-from", help="Calibrate mean, spread, length exponent and predictability from a real model's measured densities (bench_results/real/real.json); overrides --density-mean/--density-sigma/--length-exponent/--predicted-r2."),
-        predicted_r2: float = typer.Option(0.0, "--predicted-r2", help="Share of per-document density variance the feature predictor explains (knowledge predicted)."),
+        density_from: Optional[Path] = typer.Option(None, "--density-from", help="Calibrate mean, spread, length exponent and predictability from a real model's measured densities (bench_results/real/real.json); --density-mean/--density-sigma/--length-exponent/--predicted-r2 given as well override one figure of it (a what-if)."),
+        predicted_r2: Optional[float] = typer.Option(None, "--predicted-r2", help="Share of per-document density variance the feature predictor explains (knowledge predicted) [default: 0, or --density-from's]."),
         knowledge: str = typer.Option("none", "--knowledge", help="What batching and the tuner know of each document's density, comma-separated levels: none (length and budget only), predicted (from cheap features, unseen documents), remembered (observed in an earlier epoch)."),
         ranks: str = typer.Option("8,64,512", "--ranks", help="World sizes to simulate, comma-separated (2..4096)."),
         docs_per_rank: str = typer.Option("4", "--docs-per-rank", help="Documents per rank per step (comma-separated: each is simulated)."),
@@ -132,15 +132,23 @@ def register(app: typer.Typer) -> None:
         cost = _cost_model(profile, model, hf_config, flops_per_s)
         stats = load_density_stats(density_stats) if density_stats else None
         calibration = load_calibration(density_from) if density_from else None
+        # each figure: given on the command line, else the calibration's, else DensityModel's assumption
+        figures = ({"mean": calibration.mean, "sigma": calibration.sigma, "length_exponent": calibration.length_exponent,
+                    "predicted_r2": calibration.predicted_r2, "ref_length": calibration.ref_length}
+                   if calibration is not None else {})
+        given = {"--density-mean": ("mean", density_mean), "--density-sigma": ("sigma", density_sigma),
+                 "--length-exponent": ("length_exponent", length_exponent),
+                 "--predicted-r2": ("predicted_r2", predicted_r2)}
+        figures.update({name: value for name, value in given.values() if value is not None})
+        dm = DensityModel(L, default_budget=default_budget, seed=seed, stats=stats, **figures)
         if calibration is not None:
-            density_mean, density_sigma = calibration.mean, calibration.sigma
-            length_exponent, predicted_r2 = calibration.length_exponent, calibration.predicted_r2
+            overridden = [flag for flag, (_, value) in given.items() if value is not None]
             console.print(f"density calibrated on {calibration.documents} documents of {calibration.model} at budget "
-                          f"{calibration.budget:g}: mean {density_mean:.3f} at {calibration.ref_length:.0f} tokens, "
-                          f"log-sigma {density_sigma:.3f}, length exponent {length_exponent:.3f}, "
-                          f"feature predictor R^2 {predicted_r2:.3f}", highlight=False)
-        dm = DensityModel(L, default_budget=default_budget, mean=density_mean, sigma=density_sigma,
-                          length_exponent=length_exponent, seed=seed, stats=stats, predicted_r2=predicted_r2)
+                          f"{calibration.budget:g}: mean {dm.mean:.3f} at {calibration.ref_length:.0f} tokens, "
+                          f"log-sigma {dm.sigma:.3f}, length exponent {dm.length_exponent:.3f}, "
+                          f"feature predictor R^2 {dm.predicted_r2:.3f}"
+                          + (f" (given on the command line: {', '.join(overridden)})" if overridden else ""),
+                          highlight=False)
         p = np.percentile(L, [50, 90, 99])
         console.print(f"{L.size} documents from {source}: median {p[0]:.0f}, p90 {p[1]:.0f}, p99 {p[2]:.0f}, "
                       f"max {L.max()} tokens; cost model {getattr(cost, 'name', type(cost).__name__)}", highlight=False)
@@ -160,8 +168,8 @@ def register(app: typer.Typer) -> None:
                 console.print(rep.markdown(res), highlight=False, markup=False)
         if len(results) > 1 and "sparsebalance" in policy_names:
             console.print(rep.against_peer_markdown(results), highlight=False, markup=False)
-        extra = {"source": source, "density_model": {"mean": density_mean, "sigma": density_sigma,
-                 "length_exponent": length_exponent, "predicted_r2": predicted_r2,
+        extra = {"source": source, "density_model": {"mean": dm.mean, "sigma": dm.sigma,
+                 "length_exponent": dm.length_exponent, "predicted_r2": dm.predicted_r2,
                  "calibration": calibration.to_dict() if calibration else None}, "lengths_summary": {"count": int(L.size), "median": float(p[0]), "p90": float(p[1]),
                                                        "p99": float(p[2]), "max": int(L.max())}}
         if scale_check:

@@ -52,7 +52,7 @@ def table(result: SimResult, title: str | None = None):
     for name, justify in (("policy", "left"), ("look-ahead", "right"), ("tuning", "left"), ("step time (s)", "right"),
                           ("imbalance", "right"), ("bubble", "right"), ("vs peer", "right"), ("peer", "left"),
                           ("vs random", "right"), ("mean budget", "right"), ("budget spread", "right"), ("mean density", "right"),
-                          ("plan (s)", "right")):
+                          ("attention share", "right"), ("plan (s)", "right")):
         t.add_column(name, justify=justify)
     best = min((r.imbalance for r in result.rows if r.tuning == "none"), default=None)
     for r in result.rows:
@@ -61,7 +61,7 @@ def table(result: SimResult, title: str | None = None):
             imb = f"[bold green]{imb}[/]"
         t.add_row(r.policy, str(r.lookahead), r.tuning, _fmt_s(r.step_time), imb, f"{100 * r.bubble:.1f}%",
                   f"{r.vs_peer:.3f}x", r.peer, f"{r.vs_random:.2f}x", f"{r.mean_budget:.3f}", f"{r.budget_spread:.3f}", f"{r.mean_density:.3f}",
-                  f"{r.plan_seconds:.2f}")
+                  f"{100 * r.attention_share:.1f}%", f"{r.plan_seconds:.2f}")
     return t
 
 
@@ -78,8 +78,8 @@ def markdown(result: SimResult) -> str:
 def against_peer_markdown(results: Sequence[SimResult], policy: str = "sparsebalance") -> str:
     """One line per (ranks, documents per rank, knowledge, tuning): `policy` against the best fair peer."""
     lines = ["| ranks | docs/rank | knowledge | tuning | look-ahead | step time (s) | best peer | peer step time (s) "
-             "| speedup vs peer | budget (ours / peer) | budget spread (ours / peer) | bubble (ours / peer) |",
-             "|---:|---:|---|---|---:|---:|---|---:|---:|---|---|---|"]
+             "| speedup vs peer | budget (ours / peer) | budget spread (ours / peer) | bubble (ours / peer) | attention share |",
+             "|---:|---:|---|---|---:|---:|---|---:|---:|---|---|---|---:|"]
     for res in results:
         cfg = res.config
         for r in res.rows:
@@ -89,7 +89,7 @@ def against_peer_markdown(results: Sequence[SimResult], policy: str = "sparsebal
             lines.append(f"| {cfg.world_size} | {cfg.docs_per_rank} | {cfg.knowledge} | {r.tuning} | {r.lookahead} "
                          f"| {_fmt_s(r.step_time)} | {p.policy} | {_fmt_s(p.step_time)} | **{r.vs_peer:.3f}x** "
                          f"| {r.mean_budget:.3f} / {p.mean_budget:.3f} | {r.budget_spread:.3f} / {p.budget_spread:.3f} "
-                         f"| {100 * r.bubble:.1f}% / {100 * p.bubble:.1f}% |")
+                         f"| {100 * r.bubble:.1f}% / {100 * p.bubble:.1f}% | {100 * r.attention_share:.1f}% |")
     return "\n".join(lines)
 
 

@@ -25,7 +25,10 @@ Figures (compute = per-rank forward+backward time; step time = max over ranks + 
 - `bubble`: 1 - sum(mean) / sum(max), the share of rank-time spent waiting;
 - `vs_peer`: epoch time of the best fair peer (`length-grouped` or `verl`, the faster, at the same
   look-ahead, knowledge and tuning) / this epoch time; `peer` names it;
-- `vs_random`: epoch time of `random` without tuning / this epoch time (a reference).
+- `vs_random`: epoch time of `random` without tuning / this epoch time (a reference);
+- `attention_share`: the share of the documents' compute time spent in attention at the densities
+  they ran at (when the cost model separates it): the only part that density knowledge and budget
+  tuning can move, so it bounds what they can gain over a peer that balances the rest.
 Every row names its policy and the look-ahead it saw (1 for the one-step references).
 """
 from __future__ import annotations
@@ -123,6 +126,7 @@ class PolicyResult:
     mean_budget: float = float("nan")
     budget_spread: float = float("nan")
     mean_density: float = float("nan")
+    attention_share: float = float("nan")
     micro_batches: float = float("nan")
     plan_seconds: float = 0.0
     rank_loads: list[list[float]] = field(default_factory=list)  # first record_steps steps, per rank
@@ -190,6 +194,7 @@ def simulate(
         return np.asarray(cost.doc_times(lengths[idx], predict(idx, b0)), dtype=np.float64)
 
     step_overhead = float(getattr(cost, "step_overhead", 0.0) or 0.0)
+    attention_times = getattr(cost, "attention_times", None)
     rows: list[PolicyResult] = []
     for policy in config.policies:
         sampler = BatchSampler(lengths, R, policy, config.token_cap, config.docs_per_rank, config.seed, doc_cost,
@@ -199,7 +204,7 @@ def simulate(
         plans = [sampler.plan(0, s) for s in range(n_steps)]
         plan_seconds = time.perf_counter() - t0
         acc = {m: {"max": [], "mean": [], "dens_num": 0.0, "dens_den": 0.0, "loads": [],
-                   "b_num": 0.0, "b_sq": 0.0} for m in hooks}
+                   "b_num": 0.0, "b_sq": 0.0, "attn": 0.0, "doc_time": 0.0} for m in hooks}
         n_mb = []
         for s, plan in enumerate(plans):
             n_mb.append(plan.num_micro_batches)
@@ -244,6 +249,9 @@ def simulate(
                 a["dens_den"] += float(L.sum())
                 a["b_num"] += float((budgets[ranks] * L).sum())
                 a["b_sq"] += float((budgets[ranks] ** 2 * L).sum())
+                if attention_times is not None:
+                    a["attn"] += float(np.sum(attention_times(L, dt)))
+                    a["doc_time"] += float(np.sum(cost.doc_times(L, dt)))
                 if s < config.record_steps:
                     a["loads"].append(compute.tolist())
         for mode, a in acc.items():
@@ -261,6 +269,7 @@ def simulate(
                 mean_budget=a["b_num"] / a["dens_den"] if a["dens_den"] else b0,
                 mean_density=a["dens_num"] / a["dens_den"] if a["dens_den"] else float("nan"),
                 budget_spread=_weighted_std(a["b_num"], a["b_sq"], a["dens_den"]),
+                attention_share=a["attn"] / a["doc_time"] if a["doc_time"] > 0 else float("nan"),
                 micro_batches=float(np.mean(n_mb)) if n_mb else 0.0,
                 plan_seconds=plan_seconds, rank_loads=a["loads"],
             ))

@@ -112,6 +112,20 @@ def test_layer_tuning_removes_what_predictions_miss(small_run):
         assert layer.bubble < 0.02, (policy, layer.bubble)
 
 
+def test_attention_share_is_the_closed_form_at_the_densities_run():
+    """Untuned, every document runs at the default budget: the share is sum(c d L^2) / sum(c d L^2 + f L)."""
+    L = synthetic_lengths(200, 8192, 1.0, 65536, seed=4)
+    dm = DensityModel(L, mean=0.3, sigma=0.5, length_exponent=0.4)
+    res = simulate(L, AnalyticCostModel.llama_8b(), dm, SimConfig(world_size=4, token_cap=65536,
+                   policies=("random",), tuning=("none", "layer")))
+    d = dm.true(np.arange(L.size), np.full(L.size, 0.5))
+    attention = 9.2e5 * d * L.astype(float) ** 2
+    assert res.row("random").attention_share == pytest.approx(attention.sum() / (attention + 6 * 8e9 * L).sum(),
+                                                              rel=1e-9)
+    # tuning moves budgets, hence the densities run, hence the share
+    assert res.row("random", "layer").attention_share != pytest.approx(res.row("random").attention_share, rel=1e-6)
+
+
 def test_custom_tuning_hook_is_used():
     L = synthetic_lengths(100, 4096, 1.0, 32768, seed=2)
     seen = []

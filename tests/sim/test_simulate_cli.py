@@ -92,6 +92,14 @@ def test_density_calibration_from_the_real_model_contract(tmp_path):
     assert model["length_exponent"] == pytest.approx(0.2, abs=0.02)  # through the short ones: far flatter
     assert model["predicted_r2"] > 0.8  # the fixture's density is a function of its compression ratio
     assert model["calibration"]["documents"] == 30 and model["calibration"]["min_tokens"] >= 2048
+    # a figure given beside the calibration overrides that figure only (a what-if on the measured model)
+    result = run("--synthetic", "300", "--ranks", "4", "--steps", "3", "--density-from", real,
+                 "--density-sigma", "0.7", "--out", out)
+    assert result.exit_code == 0, result.output
+    what_if = json.loads((out / "simulation.json").read_text())["density_model"]
+    assert what_if["sigma"] == 0.7 and "--density-sigma" in result.output
+    assert {k: what_if[k] for k in ("mean", "length_exponent", "predicted_r2")} == \
+        {k: model[k] for k in ("mean", "length_exponent", "predicted_r2")}
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"densities": {"documents": "no"}}))
     assert "densities.documents" in one_line_error(run("--synthetic", "10", "--density-from", bad))
