@@ -88,10 +88,10 @@ bench-profile: $(PROFILE)
 	$(SBFT) profile --threads 1 --validate $(PROFILE) recipes/bench-balance.yaml $(TINY) --report $(BENCH)/profile-validation.json
 
 # One document per rank per step, two epochs over 32 documents (the second with remembered densities):
-# SparseBalance (per-step and layer-level DST) against the best fair peer, alternating, 3 rounds.
+# SparseBalance (per-step and layer-level DST, and layer-level filling) against the best fair peer, alternating, 5 rounds.
 bench-balance: install $(MODEL)/config.json $(PROFILE)
-	$(SBFT) bench balance recipes/bench-balance.yaml $(TINY) --set balance.profile=$(PROFILE) --rounds 3 \
-		--configs peer,sab+dst,sab+layer --out $(BENCH)/balance
+	$(SBFT) bench balance recipes/bench-balance.yaml $(TINY) --set balance.profile=$(PROFILE) --rounds 5 \
+		--configs peer,sab+dst,sab+layer,sab+fill --out $(BENCH)/balance
 
 # The sparse attention on the real model: selection curves, passkey, per-document densities, a short fine-tune.
 bench-real: install $(REAL)/sbft_model.json

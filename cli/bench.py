@@ -143,12 +143,12 @@ def balance(
     nproc: int = typer.Option(2, min=1, help="Ranks per run."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key for every configuration."),
     configs: str = typer.Option(
-        "peer,baseline,sab,dst,sab+dst,sab+layer,dense", "--configs",
+        "peer,baseline,sab,dst,sab+dst,sab+layer,sab+fill,dense", "--configs",
         help="Configurations to run, comma-separated, in this order (speedups are against peer when it runs).",
     ),
 ) -> None:
     """The best fair peer (length-grouped, fixed budget; the baseline of every speedup), random batching, SAB, DST,
-    SAB+DST, SAB + layer-level DST and dense, measured alternately."""
+    SAB+DST, SAB + layer-level DST, SAB + layer-level DST filling up to the slowest rank (free accuracy) and dense, measured alternately."""
     from sparsebalance_ft.bench.balance import CONFIGURATIONS, check_same_documents, run_balance_bench
     from sparsebalance_ft.errors import UserError
     from sparsebalance_ft.recipe import load_recipe

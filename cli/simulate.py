@@ -70,7 +70,7 @@ def register(app: typer.Typer) -> None:
         default_budget: float = typer.Option(0.5, "--default-budget"),
         min_budget: float = typer.Option(0.1, "--min-budget"),
         max_budget: float = typer.Option(0.9, "--max-budget"),
-        target: str = typer.Option("mean", "--target", help="Tuner target rule: mean or fastest."),
+        target: str = typer.Option("mean", "--target", help="Tuner target rule: mean, fastest or fill."),
         tolerance: float = typer.Option(0.05, "--tolerance", min=0.0, max=0.99,
                                         help="Ranks within this share above T* are not cut (balance.tolerance)."),
         grid_points: int = typer.Option(17, "--grid-points"),
@@ -97,8 +97,10 @@ def register(app: typer.Typer) -> None:
         if too_long not in ("truncate", "drop", "error"):
             raise SimInputError(f"--too-long {too_long!r}: choose truncate, drop or error")
         levels = _name_list(knowledge, "--knowledge", KNOWLEDGE)
-        if target not in ("mean", "fastest"):
-            raise SimInputError(f"--target {target!r}: choose mean or fastest")
+        from sparsebalance_ft.balancer.tuner import TARGETS
+
+        if target not in TARGETS:
+            raise SimInputError(f"--target {target!r}: choose one of {', '.join(TARGETS)}")
         if not 0.0 <= min_budget <= default_budget <= max_budget <= 1.0 or default_budget >= 1.0:
             raise SimInputError(f"budgets must satisfy 0 <= min ({min_budget}) <= default ({default_budget}) <= max ({max_budget}) <= 1, default < 1")
         world_sizes = _int_list(ranks, "--ranks")

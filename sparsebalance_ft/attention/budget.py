@@ -94,7 +94,9 @@ class AttentionReport:
     dense layers report 1.0). layer_recall[l]: sampled recall, the rows' (micro-batches') values weighted by their tokens (None when no
     samples were taken).
     doc_densities: one (document_length, density) per document per forward, density = kept / causal blocks
-    summed over layers (dense layers included) and key-value heads.
+    summed over layers (dense layers included) and key-value heads, at the rank's budget: before layer-level
+    DST moved a layer's selection, because this is what the density knowledge remembers a document by (its
+    density at a budget). layer_density is what ran, moves included.
     """
 
     layer_density: list[float | None]
@@ -129,7 +131,8 @@ class _Accum:
     causal: np.ndarray
     recall_sum: np.ndarray
     recall_n: np.ndarray
-    # (forward, row, layer, doc lengths, kept per doc, causal per doc): the per-document counts stay tensors
+    # (forward, row, layer, doc lengths, kept per doc, causal per doc, kept per doc at the rank's budget):
+    # the per-document counts stay tensors
     # (on the attention's device) until pop_report, so recording a layer costs no device-to-host copy
     pending: list = field(default_factory=list)
     forwards: int = 0
@@ -243,10 +246,11 @@ class SparseAttentionController:
         return _Accum(np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n))
 
     def record(self, layer: int, row: int, doc_lengths: list[int], doc_kept, doc_causal,
-               recall: float | None, selection_seconds: float = 0.0) -> None:
+               recall: float | None, selection_seconds: float = 0.0, doc_kept_at_budget=None) -> None:
         """Account one layer call for one batch row: kept/causal blocks per document, summed over kv heads
-        (arrays or tensors; tensors are read at `pop_report`). Calls made during a backward (a checkpoint
-        recompute) are not new forwards and are ignored."""
+        (arrays or tensors; tensors are read at `pop_report`); `doc_kept_at_budget`, when a layer tuner moved
+        the selection, what was kept at the rank's budget before it (default: `doc_kept`). Calls made during a
+        backward (a checkpoint recompute) are not new forwards and are ignored."""
         if in_backward():
             return
         with self._lock:
@@ -260,18 +264,20 @@ class SparseAttentionController:
                 acc.recall_sum[layer] += recall * tokens
                 acc.recall_n[layer] += tokens
             acc.selection_seconds += selection_seconds
-            acc.pending.append((acc.forwards, row, layer, list(doc_lengths), doc_kept, doc_causal))
+            at_budget = doc_kept if doc_kept_at_budget is None else doc_kept_at_budget
+            acc.pending.append((acc.forwards, row, layer, list(doc_lengths), doc_kept, doc_causal, at_budget))
 
     def pop_report(self) -> AttentionReport:
         with self._lock:
             acc, self._acc = self._acc, self._new_acc()
         docs: dict[tuple[int, int, int], list] = {}
-        for forward, row, layer, lengths, kept, causal in acc.pending:
+        for forward, row, layer, lengths, kept, causal, at_budget in acc.pending:
             kept, causal = _as_list(kept), _as_list(causal)
+            at_budget = kept if at_budget is None else _as_list(at_budget)
             if 0 <= layer < self.num_layers:
                 acc.kept[layer] += sum(kept)
                 acc.causal[layer] += sum(causal)
-            for d, (n, kk, cc) in enumerate(zip(lengths, kept, causal)):
+            for d, (n, kk, cc) in enumerate(zip(lengths, at_budget, causal)):
                 slot = docs.setdefault((forward, row, d), [n, 0.0, 0.0])
                 slot[1] += kk
                 slot[2] += cc

@@ -318,7 +318,9 @@ def _route_signature(layout: Layout, window: int | None, sinks: bool) -> tuple:
 
 def _choose_route(controller, layer: int, qp, kp, layout: Layout, scale: float, window: int | None,
                   sinks: bool, recompute: bool = False):
-    """The block selection of this layer call (None: run dense), and the torch kernel's plan.
+    """The block selection of this layer call (None: run dense), the torch kernel's plan, and the kept
+    counts at the rank's own budget (before a layer tuner moved them: what the documents' density is at
+    that budget, for the density knowledge; the same tensor when nothing moved them).
 
     Hook point for layer-level dynamic sparsity: a change of the selection (for example dropping the
     lowest-ranked blocks or adding the next-ranked ones after ranks exchange one number per layer) goes at
@@ -331,19 +333,20 @@ def _choose_route(controller, layer: int, qp, kp, layout: Layout, scale: float, 
     full = (layer in controller.dense_layers or (forced is not None and forced >= 1.0)
             or (forced is None and budget >= 1.0))
     if full and window is None and not sinks and cfg.exact_dense_at_full_budget:
-        return None, None  # every causal block kept: fused dense SDPA per document is the same computation
+        return None, None, None  # every causal block kept: fused dense SDPA per document is the same computation
     tuner = getattr(controller, "layer_tuner", None)
     tuning = tuner is not None and forced is None and not full
     budgets = [1.0 if full else budget] + ([tuner.min_budget, tuner.max_budget] if tuning else [])
     sel, *bounds = controller.select_at(qp[0].detach(), kp[0].detach(), layout, budgets, scale, window,
                                         force_density=None if full else forced)
+    at_budget = sel.counts
     if tuning:
         # layer-level DST (balancer/layer_tuning.py): move this rank's selection toward the layer's target
         sel = tuner.adjust(layer, sel, *bounds, recompute)
     plan = None
     if resolve_backend(cfg.backend, qp.device) == "torch":
         plan = make_plan(sel.indices[None], sel.counts[None], layout.num_blocks, cfg.chunk_blocks)
-    return sel, plan
+    return sel, plan, at_budget
 
 
 def sparse_attention_row(
@@ -376,11 +379,12 @@ def sparse_attention_row(
     cached = controller.kept_route(layer, row, signature) if recompute else None
     t0 = time.perf_counter()
     if cached is not None:
-        sel, plan = cached.selection, cached.plan
+        sel, plan, at_budget = cached.selection, cached.plan, None  # a recompute reports nothing
     else:
         if recompute:
             warn_once(log, "checkpoint recompute found no selection from its forward; selecting again")
-        sel, plan = _choose_route(controller, layer, qp, kp, layout, scale, window, sinks is not None, recompute)
+        sel, plan, at_budget = _choose_route(controller, layer, qp, kp, layout, scale, window, sinks is not None,
+                                             recompute)
         if remember and not recompute:
             controller.keep_route(layer, row, CachedRoute(signature, sel, plan))
     t_sel = time.perf_counter() - t0
@@ -399,8 +403,9 @@ def sparse_attention_row(
             gen = torch.Generator().manual_seed(recall_seed(layer, layout.doc_lengths))
             recall = sampled_recall(qp[0].detach(), kp[0].detach(), layout, sel, cfg.recall_samples, scale, gen, window)
         kept = _per_document(layout, sel.counts.sum(0), owner, len(docs))
+        kept_at_budget = kept if at_budget is sel.counts else _per_document(layout, at_budget.sum(0), owner, len(docs))
         caus = _per_document(layout, sel.causal * hkv, owner, len(docs))
-        controller.record(layer, row, docs, kept, caus, recall, t_sel)
+        controller.record(layer, row, docs, kept, caus, recall, t_sel, doc_kept_at_budget=kept_at_budget)
     return from_layout(out, layout)
 
 

@@ -9,7 +9,7 @@ from ..errors import UserError
 
 BatchingPolicyName = Literal["random", "tokens", "kk-length", "kk-flops", "length-grouped", "verl", "sparsebalance"]
 TuningMode = Literal["none", "straggler-only", "bidirectional", "layer"]
-TargetRule = Literal["mean", "fastest"]
+TargetRule = Literal["mean", "fastest", "fill"]
 
 
 class BalanceConfigError(UserError):
@@ -48,7 +48,8 @@ class BalanceConfig(BaseModel):
             "Target step time T* of the tuner. mean: the mean predicted time at the default budget over the ranks that"
             " can absorb work (idle and padding-only ranks do not count), raised to the slowest rank's time at"
             " min_budget when that is higher (no cut can go below it). fastest: that floor alone (fastest step, most"
-            " sparsity)."
+            " sparsity). fill: the slowest rank's time at the default budget; nobody is cut and the others take"
+            " budget up to it (same step time, more budget: free accuracy)."
         ),
     )
     headroom: float = Field(

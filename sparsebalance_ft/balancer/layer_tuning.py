@@ -6,9 +6,12 @@ has selected its blocks. Then, per (micro-batch, sparse layer), every rank:
 1. computes its layer time now (`linear` + kept blocks x seconds per block), and the times it
    would have at MIN and at MAX budget (the same ranking's shorter and longer prefixes);
 2. exchanges these three floats with ONE all_gather of a [3] tensor (cost measured, reported);
-3. runs the same rule on the gathered [ranks, 3] array (`layer_target`): the target is the mean
-   time of the ranks that can absorb work (MAX above MIN), raised to the slowest rank's time at
-   MIN (no cut goes below it); it moves its own selection toward the target (`move_toward`):
+3. runs the same rule on the gathered [ranks, 3] array (`layer_target`, the recipe's
+   `balance.target` read per layer): `mean`, the mean time of the ranks that can absorb work (MAX
+   above MIN), raised to the slowest rank's time at MIN (no cut goes below it); `fastest`, that
+   floor alone; `fill`, the slowest rank's time now (nobody is cut, the others fill up to it:
+   the step's per-step decision is then the default budget, so this is the untuned layer's
+   time); it moves its own selection toward the target (`move_toward`):
    a straggler drops its lowest-ranked blocks, a waiting rank adds its next-ranked ones, never
    past MIN / MAX and never below the anchors (the MIN selection keeps them).
 
@@ -35,10 +38,14 @@ import torch
 import torch.distributed as dist
 
 
-def layer_target(gathered: np.ndarray) -> float:
-    """T of one layer from every rank's [now, at MIN, at MAX] times (rows: ranks)."""
+def layer_target(gathered: np.ndarray, rule: str = "mean") -> float:
+    """T of one layer from every rank's [now, at MIN, at MAX] times (rows: ranks), by `balance.target`'s rule."""
     g = np.asarray(gathered, dtype=np.float64)
     now, lo, hi = g[:, 0], g[:, 1], g[:, 2]
+    if rule == "fill":
+        return float(now.max())
+    if rule == "fastest":
+        return float(lo.max())
     absorbs = hi > lo
     pool = absorbs if absorbs.any() else now > 0
     if not pool.any():
@@ -78,10 +85,11 @@ class LayerTuner:
     """Per-model state of layer-level DST on one rank (set as `controller.layer_tuner` by the trainer)."""
 
     def __init__(self, min_budget: float, max_budget: float, num_layers: int, dense_layers=(), group=None,
-                 tolerance: float = 0.0):
+                 tolerance: float = 0.0, target: str = "mean"):
         if not 0.0 <= min_budget <= max_budget < 1.0:
             raise ValueError(f"layer tuning needs 0 <= min_budget <= max_budget < 1, got {min_budget}..{max_budget}")
         self.min_budget, self.max_budget = float(min_budget), float(max_budget)
+        self.target = target
         self.hooked_layers = int(num_layers) - len(set(dense_layers))
         self.group = group
         self.tolerance = float(tolerance)
@@ -142,7 +150,7 @@ class LayerTuner:
         c_now, c_lo, c_hi = sel.counts, torch.minimum(lo_sel.counts, sel.counts), torch.maximum(hi_sel.counts, sel.counts)
         times = np.array([cost.linear + cost.per_block * float(c.sum()) for c in (c_now, c_lo, c_hi)])
         gathered = self._exchange(times)
-        alpha = move_toward(layer_target(gathered), *times.tolist(), tolerance=self.tolerance)
+        alpha = move_toward(layer_target(gathered, self.target), *times.tolist(), tolerance=self.tolerance)
         out = sel
         if alpha != 0.0:
             counts = blend_counts(c_now, c_lo, c_hi, alpha)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .config import BalanceConfig
-from .tuner import budget_grid, layer_budgets, tune
+from .tuner import budget_grid, layer_budgets, step_tuning_mode, tune
 
 log = logging.getLogger("sparsebalance_ft.balancer")
 
@@ -197,14 +197,14 @@ class BalancerService:
         `step` (optional) labels the decision; by default the service counts its own calls.
         `densities` (optional): an object with `expected(lengths, budget)` that knows these very
         documents (remembered or predicted per document); by default the length statistics.
-        With `tuning: layer` the per-step decision is the bidirectional one (the layer tuner then
+        With `tuning: layer` the per-step decision is `step_tuning_mode`'s (the layer tuner then
         corrects it inside the step).
         """
         started = time.perf_counter()
         if step is not None:
             self.step = int(step)
         rank, step, mode = self.rank, self.step, self.config.tuning
-        tune_mode = "bidirectional" if mode == "layer" else mode
+        tune_mode = step_tuning_mode(mode, self.config.target)
         self.step += 1
         grid_n = self.grid.size
         layers = self.num_layers if self.config.per_layer else 0

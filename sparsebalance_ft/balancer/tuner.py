@@ -10,7 +10,7 @@ Time as a function of budget is taken piecewise linear between grid points and m
 is well defined and found with one comparison per grid point.
 
 The target T* (documented choice). The step ends when the slowest rank ends, so the step's
-predicted time is max_r t_r(b_r). Two rules, `BalanceConfig.target`:
+predicted time is max_r t_r(b_r). Three rules, `BalanceConfig.target`:
 
 - ``mean`` (default): T* = max(mean_r t_r(default), max_r t_r(MIN)), the mean over the ranks
   that can absorb work (time rising with budget; idle and padding-only ranks cannot). The mean keeps the step's
@@ -21,8 +21,11 @@ predicted time is max_r t_r(b_r). Two rules, `BalanceConfig.target`:
   accuracy") without making the step any slower.
 - ``fastest``: T* = max_r t_r(MIN), the shortest step any choice of budgets can reach; everyone
   slower is cut to it and (bidirectional) everyone faster raised to it. Fastest, sparsest.
+- ``fill``: T* = max_r t_r(default), the untuned step's predicted time. Nobody is cut; with
+  ``bidirectional`` every faster rank takes budget up to the slowest rank's time. The step takes
+  as long as untuned and the waiting ranks' time goes into budget (the paper's "free accuracy").
 
-Both are at most max_r t_r(default), so no mode ever predicts a slower step than no tuning.
+All three are at most max_r t_r(default), so no mode ever predicts a slower step than no tuning.
 
 Tolerance: a rank predicted slower than T* by less than ``tolerance`` x T* is not treated as a
 straggler. Such a gap is within the cost model's own error (5-10% median on the profiled CPU), so
@@ -41,7 +44,20 @@ from dataclasses import dataclass
 import numpy as np
 
 MODES = ("none", "straggler-only", "bidirectional")
-TARGETS = ("mean", "fastest")
+TARGETS = ("mean", "fastest", "fill")
+
+
+def step_tuning_mode(tuning: str, target: str) -> str:
+    """The per-step decision a tuning mode makes before any in-step correction.
+
+    `layer` corrects inside the step, on measured work, so its per-step decision is a first guess:
+    the bidirectional one, except with target ``fill``, where a guess that raises a waiting rank
+    by prediction overshoots about half the time (then the raised rank becomes the straggler) and
+    the layer tuner can fill exactly from the default budget.
+    """
+    if tuning != "layer":
+        return tuning
+    return "none" if target == "fill" else "bidirectional"
 
 
 @dataclass(frozen=True)
@@ -141,7 +157,12 @@ def tune(
     # ranks for a share of work that nobody can take up.
     absorbs = valid & (tb[:, -1] > tb[:, 0])
     pool = absorbs if absorbs.any() else valid
-    target_time = floor if target == "fastest" else max(float(default_times[pool].mean()), floor)
+    if target == "fastest":
+        target_time = floor
+    elif target == "fill":
+        target_time = float(default_times[valid].max())
+    else:
+        target_time = max(float(default_times[pool].mean()), floor)
 
     # Largest budget in [MIN, MAX] whose predicted time is at most the rank's threshold (T* for
     # stragglers, T*(1 - headroom) for the others): rows are monotone, so the grid points that

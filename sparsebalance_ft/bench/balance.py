@@ -39,6 +39,7 @@ CONFIGURATIONS: dict[str, list[str]] = {
     "dst": ["balance.batching=random", "balance.tuning=bidirectional"],
     "sab+dst": ["balance.batching=sparsebalance", "balance.tuning=bidirectional"],
     "sab+layer": ["balance.batching=sparsebalance", "balance.tuning=layer"],
+    "sab+fill": ["balance.batching=sparsebalance", "balance.tuning=layer", "balance.target=fill"],
     "dense": ["model.attn_implementation=sdpa", "balance.batching=random", "balance.tuning=none"],
 }
 

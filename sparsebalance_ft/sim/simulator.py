@@ -53,12 +53,13 @@ TUNING_MODES = ("none", "straggler-only", "bidirectional", "layer")
 
 def tuner_hook(mode: str, default_budget: float, min_budget: float, max_budget: float, target: str = "mean",
                tolerance: float = 0.0) -> TuningHook | None:
-    """The balancer's own tuner (`balancer.tuner.tune`) as a hook; None for mode `none`."""
-    if mode == "none":
-        return None
-    from ..balancer.tuner import tune
+    """The balancer's own per-step tuner (`balancer.tuner.tune`) as a hook; None where the step keeps
+    the default budget (mode `none`; `layer` with target `fill`, which only tunes inside the step)."""
+    from ..balancer.tuner import step_tuning_mode, tune
 
-    step_mode = "bidirectional" if mode == "layer" else mode  # layer: the per-step decision, then in-step
+    step_mode = step_tuning_mode(mode, target)  # layer: the per-step decision, then in-step
+    if step_mode == "none":
+        return None
 
     def hook(times: np.ndarray, grid: np.ndarray) -> np.ndarray:
         return tune(times, grid, default_budget, min_budget, max_budget, mode=step_mode, target=target,
@@ -241,7 +242,8 @@ def simulate(
                 compute = np.bincount(ranks, weights=t_docs, minlength=R) + corr_r
                 if mode == "layer" and docs.size:
                     budgets, compute, dt = _layer_correction(budgets, compute, dt, docs, ranks, L, corr_r, cost,
-                                                             density, config.min_budget, config.max_budget)
+                                                             density, config.min_budget, config.max_budget,
+                                                             config.target)
                 a = acc[mode]
                 a["max"].append(float(compute.max()))
                 a["mean"].append(float(compute.mean()))
@@ -290,7 +292,7 @@ def _weighted_std(total: float, squares: float, weight: float) -> float:
     return float(np.sqrt(max(squares / weight - mean * mean, 0.0)))
 
 
-def _layer_correction(budgets, compute, dt, docs, ranks, L, corr_r, cost, density, min_budget, max_budget):
+def _layer_correction(budgets, compute, dt, docs, ranks, L, corr_r, cost, density, min_budget, max_budget, rule):
     """Layer-level DST on true work: each rank's time now, at MIN and at MAX, the shared rule, linear moves."""
     R = budgets.size
 
@@ -303,7 +305,7 @@ def _layer_correction(budgets, compute, dt, docs, ranks, L, corr_r, cost, densit
     hi, d_hi = rank_times(float(max_budget))
     busy = np.bincount(ranks, minlength=R) > 0
     rows = np.stack([compute, lo, hi], axis=1) * busy[:, None]
-    target = layer_target(rows)
+    target = layer_target(rows, rule)
     alpha = np.array([move_toward(target, *rows[r].tolist()) if busy[r] else 0.0 for r in range(R)])
     new_compute = np.where(alpha < 0, compute + alpha * (compute - lo), compute + alpha * (hi - compute))
     new_budgets = np.where(alpha < 0, budgets + alpha * (budgets - min_budget), budgets + alpha * (max_budget - budgets))

@@ -196,7 +196,7 @@ def build_balancing(recipe: Recipe, model, lengths: np.ndarray, world_size: int,
 
                 kv_heads = int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads)
                 controller.layer_tuner = LayerTuner(balance.min_budget, balance.max_budget, layers,
-                                                    controller.dense_layers)
+                                                    controller.dense_layers, target=balance.target)
                 layer_costs = layer_cost_of(cost_model, layers, kv_heads, recipe.sparsity.block_size)
         else:
             doc_cost = doc_cost_from_densities(cost_model, lengths, np.ones(len(lengths)))

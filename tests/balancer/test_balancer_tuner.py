@@ -58,6 +58,16 @@ def test_fastest_target_is_the_floor():
     assert np.nanmax(r.predicted) == pytest.approx(3.4)
 
 
+def test_fill_target_cuts_nobody_and_raises_the_rest_to_the_slowest():
+    times = np.stack([linear(1, 2), linear(3, 4), linear(2, 4)])  # default: 2.0, 5.0, 4.0
+    r = tune(times, GRID, D, MIN, MAX, "bidirectional", target="fill")
+    assert r.target == pytest.approx(5.0)
+    assert r.budgets.tolist() == pytest.approx([MAX, D, 0.75])  # 1 + 2b = 5 past MAX; 2 + 4b = 5
+    assert np.nanmax(r.predicted) == pytest.approx(5.0)  # the untuned step's time
+    straggler_only = tune(times, GRID, D, MIN, MAX, "straggler-only", target="fill")
+    assert straggler_only.budgets.tolist() == [D, D, D]
+
+
 def test_none_keeps_default():
     times = np.stack([linear(1, 2), linear(3, 4)])
     r = tune(times, GRID, D, MIN, MAX, "none")
@@ -91,7 +101,7 @@ def random_times(rng, ranks):
 def test_properties_on_random_cases(seed):
     rng = np.random.default_rng(seed)
     times = random_times(rng, int(rng.integers(1, 40)))
-    target = "mean" if seed % 2 else "fastest"
+    target = ("mean", "fastest", "fill")[seed % 3]
     bi = tune(times, GRID, D, MIN, MAX, "bidirectional", target)
     so = tune(times, GRID, D, MIN, MAX, "straggler-only", target)
     for r in (bi, so):

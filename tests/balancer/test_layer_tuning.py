@@ -26,6 +26,27 @@ def test_target_ignores_idle_ranks_and_respects_the_floor():
     assert layer_target(rows) == pytest.approx(15.0)  # the straggler cannot go below 15 at MIN
 
 
+def test_target_rules_fastest_and_fill():
+    rows = np.array([[10.0, 6.0, 14.0], [6.0, 4.0, 9.0]])
+    assert layer_target(rows, "fastest") == pytest.approx(6.0)  # the slowest rank at MIN
+    assert layer_target(rows, "fill") == pytest.approx(10.0)  # the slowest rank now: nobody is cut
+
+
+@pytest.mark.parametrize("peer_scale, moved_sign", [(0.2, 0), (5.0, +1)])
+def test_fill_never_cuts_and_fills_a_waiting_rank(peer_scale, moved_sign):
+    """Target fill: the slower rank keeps its blocks; the faster one adds blocks up to its time (MAX at most)."""
+    select_at = _layer_inputs()
+    sel, lo, hi = select_at(0.5), select_at(0.1), select_at(0.9)
+    now = float(sel.counts.sum())
+    tuner = ScriptedTuner(peer=[now * peer_scale, now * peer_scale * 0.5, now * peer_scale * 2], target="fill")
+    tuner.begin_step([LayerCost(0.0, 1.0)], 1)
+    out = tuner.adjust(0, sel, lo, hi)
+    moved = int(out.counts.sum() - sel.counts.sum())
+    assert np.sign(moved) == moved_sign
+    if moved_sign:  # the peer is 5x slower: this rank takes every block up to MAX
+        assert torch.equal(out.counts, hi.counts)
+
+
 def test_move_toward_is_bounded_and_proportional():
     assert move_toward(8.0, 10.0, 6.0, 14.0) == pytest.approx(-0.5)
     assert move_toward(8.0, 6.0, 4.0, 9.0) == pytest.approx(2.0 / 3.0)
@@ -146,6 +167,42 @@ def test_gradient_checkpointing_recompute_selects_the_same_blocks(tmp_path):
     for layer in (0, 1):  # and that cached route is the tuner's adjusted selection, not the rank's own
         kept = ctl._routes[(layer, 0)].selection
         assert torch.equal(kept.indices, tuner.forward_sel[layer][0]) and torch.equal(kept.counts, tuner.forward_sel[layer][1])
+
+
+def test_report_remembers_the_density_at_the_budget_not_the_moved_one(tmp_path):
+    """A layer tuner that adds blocks changes what ran (layer_density), not the documents' density at the
+    rank's budget (doc_densities, what the density knowledge remembers): that equals a forward without it."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from sparsebalance_ft.attention import SparseAttentionController, register_sparse_attention
+
+    register_sparse_attention()
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sparsebalance")
+    ctl = SparseAttentionController.attach(model, SparsityConfig(block_size=16, k_min=1, k_max=4))
+    ids = torch.randint(0, 64, (1, 160), generator=torch.Generator().manual_seed(0))
+
+    def forward(tuner):
+        ctl.layer_tuner = tuner
+        if tuner is not None:
+            tuner.begin_step([LayerCost(0.0, 1.0)], 1)
+        with torch.no_grad():
+            model(input_ids=ids)
+        if tuner is not None:
+            tuner.finish_step()
+        return ctl.pop_report()
+
+    class BusyPeer(LayerTuner):  # a peer twice as busy: this rank fills, adding its next-ranked blocks
+        def _exchange(self, row):
+            self._done += 1
+            return np.vstack([row, 2.0 * row + 1.0])
+
+    alone = forward(None)
+    moved = forward(BusyPeer(0.1, 0.9, num_layers=2, target="fill"))
+    assert all(m > a for m, a in zip(moved.layer_density, alone.layer_density))  # more ran
+    assert moved.doc_densities == alone.doc_densities  # the same density at the budget
 
 
 def _free_port() -> int:

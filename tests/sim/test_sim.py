@@ -126,6 +126,20 @@ def test_attention_share_is_the_closed_form_at_the_densities_run():
     assert res.row("random", "layer").attention_share != pytest.approx(res.row("random").attention_share, rel=1e-6)
 
 
+def test_layer_fill_keeps_the_untuned_step_time_and_raises_budgets():
+    """Target fill inside the step: every step takes what it took untuned (the slowest rank is not
+    cut), and the waiting ranks spend that time on budget."""
+    L = synthetic_lengths(300, 8192, 1.0, 65536, seed=5)
+    dm = DensityModel(L, mean=0.3, sigma=0.5)
+    res = simulate(L, AnalyticCostModel.llama_8b(), dm, SimConfig(
+        world_size=8, token_cap=65536, policies=("random", "sparsebalance"), tuning=("none", "layer"),
+        target="fill", lookahead_steps=4))
+    for policy in ("random", "sparsebalance"):
+        untuned, fill = res.row(policy), res.row(policy, "layer")
+        assert fill.epoch_time == pytest.approx(untuned.epoch_time, rel=1e-9)
+        assert fill.mean_budget > untuned.mean_budget + 0.01 and fill.bubble < untuned.bubble
+
+
 def test_custom_tuning_hook_is_used():
     L = synthetic_lengths(100, 4096, 1.0, 32768, seed=2)
     seen = []
