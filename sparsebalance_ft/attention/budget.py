@@ -132,8 +132,8 @@ class _Accum:
     recall_sum: np.ndarray
     recall_n: np.ndarray
     # (forward, row, layer, doc lengths, kept per doc, causal per doc, kept per doc at the rank's budget):
-    # the per-document counts stay tensors
-    # (on the attention's device) until pop_report, so recording a layer costs no device-to-host copy
+    # the per-document counts stay tensors (on the attention's device) until pop_report, so recording a
+    # layer costs no device-to-host copy
     pending: list = field(default_factory=list)
     forwards: int = 0
     last_layer: int | None = None
