@@ -131,8 +131,8 @@ class _Accum:
     causal: np.ndarray
     recall_sum: np.ndarray
     recall_n: np.ndarray
-    # (forward, row, layer, doc lengths, kept per doc, causal per doc, kept per doc at the rank's budget):
-    # the per-document counts stay tensors (on the attention's device) until pop_report, so recording a
+    # (forward, row, layer, doc lengths, kept per doc, causal per doc, kept per doc at the rank's budget or
+    # None when nothing moved the selection): the per-document counts stay tensors (on the attention's device) until pop_report, so recording a
     # layer costs no device-to-host copy
     pending: list = field(default_factory=list)
     forwards: int = 0
@@ -264,8 +264,8 @@ class SparseAttentionController:
                 acc.recall_sum[layer] += recall * tokens
                 acc.recall_n[layer] += tokens
             acc.selection_seconds += selection_seconds
-            at_budget = doc_kept if doc_kept_at_budget is None else doc_kept_at_budget
-            acc.pending.append((acc.forwards, row, layer, list(doc_lengths), doc_kept, doc_causal, at_budget))
+            acc.pending.append((acc.forwards, row, layer, list(doc_lengths), doc_kept, doc_causal,
+                                doc_kept_at_budget))
 
     def pop_report(self) -> AttentionReport:
         with self._lock:

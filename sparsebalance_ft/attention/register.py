@@ -403,7 +403,8 @@ def sparse_attention_row(
             gen = torch.Generator().manual_seed(recall_seed(layer, layout.doc_lengths))
             recall = sampled_recall(qp[0].detach(), kp[0].detach(), layout, sel, cfg.recall_samples, scale, gen, window)
         kept = _per_document(layout, sel.counts.sum(0), owner, len(docs))
-        kept_at_budget = kept if at_budget is sel.counts else _per_document(layout, at_budget.sum(0), owner, len(docs))
+        moved = at_budget is not sel.counts  # a layer tuner changed the selection
+        kept_at_budget = _per_document(layout, at_budget.sum(0), owner, len(docs)) if moved else None
         caus = _per_document(layout, sel.causal * hkv, owner, len(docs))
         controller.record(layer, row, docs, kept, caus, recall, t_sel, doc_kept_at_budget=kept_at_budget)
     return from_layout(out, layout)
