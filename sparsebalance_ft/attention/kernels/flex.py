@@ -114,6 +114,16 @@ def build_block_mask(block_indices: torch.Tensor, block_counts: torch.Tensor | N
                      rep(qi_part), rep(qn_full), rep(qi_full), BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod)
 
 
+def _tile_options(block_size: int) -> dict[str, int]:
+    """Triton tiles that divide the selection's blocks. The compiled kernel refuses a BlockMask whose block
+    size its tile does not divide, and on Hopper its default forward tile is 128 x 128 (seen on an H200:
+    "Q and KV block size must be divisible by BLOCK_M and BLOCK_N" at block size 64). Backward tiles are
+    flash-attention-2's shapes, halved where the block is smaller than them."""
+    half = max(16, block_size // 2)
+    return {"fwd_BLOCK_M": block_size, "fwd_BLOCK_N": block_size, "bwd_BLOCK_M1": half,
+            "bwd_BLOCK_N1": block_size, "bwd_BLOCK_M2": block_size, "bwd_BLOCK_N2": half}
+
+
 def flex_block_sparse_attention(q, k, v, block_indices, block_counts, block_size: int, scale: float,
                                 window: int | None = None, sinks: torch.Tensor | None = None,
                                 compile: bool | None = None):
@@ -125,8 +135,10 @@ def flex_block_sparse_attention(q, k, v, block_indices, block_counts, block_size
     compile = q.device.type == "cuda" if compile is None else compile
     bm = build_block_mask(block_indices, block_counts, block_size, group, q.shape[2], window, eager_table=not compile)
     fn = _compiled_flex() if compile else flex_attention
+    options = _tile_options(block_size) if compile and block_size < 128 else None
     if sinks is None:
-        return fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=group > 1)
-    out, aux = fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=group > 1, return_aux=AuxRequest(lse=True))
+        return fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=group > 1, kernel_options=options)
+    out, aux = fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=group > 1, kernel_options=options,
+                  return_aux=AuxRequest(lse=True))
     keep = torch.sigmoid(aux.lse.float() - sinks.float()[None, :, None])  # exp(lse) / (exp(lse) + exp(s))
     return out * keep.unsqueeze(-1).to(out.dtype)

@@ -183,8 +183,14 @@ def _transposed_index(idx: torch.Tensor, cnt: torch.Tensor, nk: int) -> tuple[to
 
 
 def _launch_opts(bs: int, d: int, dtype: torch.dtype) -> dict:
-    """fp32 inputs keep fp32 products ("ieee"): tf32 would silently lower the precision fp32 asks for."""
-    return {"num_warps": 4 if bs * d <= 64 * 64 else 8, "PREC": "ieee" if dtype == torch.float32 else None}
+    """fp32 inputs keep fp32 products ("ieee"): tf32 would silently lower the precision fp32 asks for.
+
+    A 128 x 128 fp32 tile pipelined over triton's default stages needs 384 KiB of shared memory, over an
+    H200's 227 KiB (seen there: OutOfResources in test_large_tiles); one stage fits."""
+    opts = {"num_warps": 4 if bs * d <= 64 * 64 else 8, "PREC": "ieee" if dtype == torch.float32 else None}
+    if bs * d * torch.finfo(dtype).bits // 8 >= 128 * 128 * 4:
+        opts["num_stages"] = 1
+    return opts
 
 
 class _TritonBlockSparseFn(torch.autograd.Function):
