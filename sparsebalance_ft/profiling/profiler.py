@@ -623,7 +623,7 @@ def recipe_meta(recipe: Any, model: Any) -> dict[str, Any]:
             "path": recipe.model.path,
             "parameters": int(total),
             "trainable_parameters": int(trainable),
-            "gradient_checkpointing": recipe.model.gradient_checkpointing,
+            "gradient_checkpointing": recipe.uses_gradient_checkpointing,
             "lora": recipe.lora.enabled,
         },
         "max_seq_len": recipe.data.max_seq_len,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..data import load_corpus, pack_documents
-from ..recipe import Recipe, dump_recipe
+from ..recipe import Recipe, describe_setup, dump_recipe
 from .balancing import build_balancing
 from .checkpoint import choose_checkpoint, load_checkpoint, save_checkpoint
 from .metrics import MetricsWriter, RankRecord, gather_records, step_metrics
@@ -142,6 +142,8 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
         if overwrite and not resume:
             clear_output_dir(out)
         dump_recipe(recipe, out / "recipe.yaml")
+        for line in describe_setup(recipe):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
     set_seed(recipe.training.seed)
 
     tokenizer = load_tokenizer(recipe)
