@@ -81,6 +81,15 @@ simulate-spread: install
 			--density-sigma $$s --out $(BENCH)/simulate-spread/long-tail-sigma$$s || exit 1; \
 	done
 
+# The same grid with the densities the simulator assumed before calibration (lognormal around 0.3, log-sigma
+# 0.5, no length law): where per-document knowledge has more to find (docs/benchmarks/simulate.md).
+.PHONY: simulate-default-density
+simulate-default-density: install
+	$(SBFT) simulate --from-text-dir $(STDLIB) --glob '**/*.py' --min-bytes 64 --max-len 131072 \
+		$(filter-out $(DENSITY_FROM),$(SIM_GRID)) --out $(BENCH)/simulate-default-density
+	$(SBFT) simulate --long-tail 8000 --max-len 131072 $(filter-out $(DENSITY_FROM),$(SIM_GRID)) \
+		--out $(BENCH)/simulate-long-tail-default-density
+
 $(PROFILE): | install $(MODEL)/config.json
 	$(SBFT) profile recipes/bench-balance.yaml $(TINY) --threads 1 --out $@
 
@@ -94,8 +103,15 @@ bench-balance: install $(MODEL)/config.json $(PROFILE)
 		--configs peer,sab+dst,sab+layer,sab+fill --out $(BENCH)/balance
 
 # The sparse attention on the real model: selection curves, passkey, per-document densities, a short fine-tune.
+# bench-real is the quick plan (minutes, into its own folder); bench-real-full is the plan the published
+# figures come from (hours on two CPU cores): selection 2K-8K, passkey 1K-8K x 5 depths x 2, 300 documents.
+.PHONY: bench-real-full
 bench-real: install $(REAL)/sbft_model.json
-	$(SBFT) bench real --model $(REAL) --out $(BENCH)/real --quick --work $(RUNS)/bench-real
+	$(SBFT) bench real --model $(REAL) --out $(BENCH)/real-quick --quick --work $(RUNS)/bench-real
+
+bench-real-full: install $(REAL)/sbft_model.json
+	$(SBFT) bench real --model $(REAL) --out $(BENCH)/real --work $(RUNS)/bench-real \
+		--density-docs 100 --density-max-tokens 8192
 
 bench-accuracy: install
 	$(SBFT) bench accuracy --out $(BENCH)/accuracy --work $(RUNS)/accuracy
@@ -104,6 +120,13 @@ bench-accuracy: install
 .PHONY: bench-memory
 bench-memory: install
 	$(SBFT) bench memory --out $(BENCH)/memory/memory.json
+
+# The 32K-token step of SmolLM2-135M's shape (sparse, checkpointing, chunked loss and the two ablations that
+# stay sparse; about an hour of two CPU threads), glibc returning freed blocks so the RSS follows the tensors.
+.PHONY: bench-memory-32k
+bench-memory-32k: install
+	SBFT_BENCH_THREADS=2 $(SBFT) bench memory --loss-tokens "" --model-tokens "" --long-tokens 32768 --cap-gib 8 \
+		--mmap-threshold 65536 --timeout 4200 --out $(BENCH)/memory/model_32k.json
 
 # Temporary memory of one layer's block selection at 16K/32K/64K tokens (seconds).
 .PHONY: bench-memory-selection
