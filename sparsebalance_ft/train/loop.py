@@ -142,8 +142,6 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
         if overwrite and not resume:
             clear_output_dir(out)
         dump_recipe(recipe, out / "recipe.yaml")
-        for line in describe_setup(recipe):
-            console.print(line, highlight=False, markup=False, soft_wrap=True)
     set_seed(recipe.training.seed)
 
     tokenizer = load_tokenizer(recipe)
@@ -152,6 +150,8 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
         corpus, validation = build_validation(recipe, corpus, tokenizer, rank, world, console.print if accelerator.is_main_process else None)
     if accelerator.is_main_process:
         console.print(f"data: {corpus.describe()}", highlight=False)
+        for line in describe_setup(recipe):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
     if not accelerator.is_main_process:
         from transformers.utils import logging as hf_logging
 

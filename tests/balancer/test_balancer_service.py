@@ -15,7 +15,7 @@ from sparsebalance_ft.balancer.service import BalancerService, predict_times
 
 def make(tuning="bidirectional", cost=None, stats=None, **kw):
     per_layer = kw.pop("per_layer", False)
-    cfg = BalanceConfig(tuning=tuning, min_budget=0.1, max_budget=0.9, per_layer=per_layer)
+    cfg = BalanceConfig(tuning=tuning, min_budget=0.1, max_budget=0.9, per_layer=per_layer, target="mean")
     return BalancerService(cfg, cost or FakeCost(), stats or FakeStats(), 0.5, **kw)
 
 
