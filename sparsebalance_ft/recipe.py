@@ -142,7 +142,8 @@ class TrainingConfig(_Section):
         """`report_to: wandb` and `report_to: none` as users write them in other trainers."""
         if value is None or value == "none":
             return []
-        return [value] if isinstance(value, str) else value
+        values = [value] if isinstance(value, str) else value
+        return [name for name in values if name != "none"] if isinstance(values, list) else values
 
 
 class Recipe(_Section):

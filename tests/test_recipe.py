@@ -170,3 +170,9 @@ def test_default_budget_must_lie_within_the_tuning_bounds(paths):
             write(paths["root"], minimal(paths)),
             ["model.attn_implementation=sparsebalance", "balance.tuning=bidirectional", "sparsity.budget=0.95"],
         )
+
+
+@pytest.mark.parametrize("value", ["none", "[none]", "[]", "null"])
+def test_report_to_none_in_every_spelling_means_no_tracker(paths, value):
+    recipe = load_recipe(write(paths["root"], minimal(paths)), [f"training.report_to={value}"])
+    assert recipe.training.report_to == []

@@ -7,6 +7,7 @@ micro-batches, (4) waits for the slowest rank and sums gradients, (5) steps the 
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -29,6 +30,8 @@ from .progress import StepProgress
 from .step import run_local_step
 from .trackers import tracker_names
 from .validation import build_validation
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -245,6 +248,9 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
     if accelerator.is_main_process and not (finished_before and adapter_dir.is_dir()):
         accelerator.unwrap_model(model).save_pretrained(adapter_dir)
         tokenizer.save_pretrained(adapter_dir)
+    summary = balancing.service.warnings_summary() if balancing.service is not None else None
+    if summary:
+        log.warning(summary)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {

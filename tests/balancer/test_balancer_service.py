@@ -49,6 +49,20 @@ def test_bad_prediction_falls_back_to_default_with_warning(cost, caplog):
     assert svc.fallbacks == 1
 
 
+def test_silenced_warnings_are_counted_at_the_end(caplog):
+    """After ten, only every hundredth warning shows; the run's end says how many there were and how many showed."""
+    svc = make(cost=NanCost())
+    with caplog.at_level(logging.WARNING, logger="sparsebalance_ft.balancer"):
+        svc.decide([[4096]])
+        assert svc.warnings_summary() is None  # nothing silenced yet
+        for _ in range(249):
+            svc.decide([[4096]])
+    shown = [r for r in caplog.records if "warning" in r.getMessage()]
+    assert svc._warned >= 250 and len(shown) < 20
+    assert svc.warnings_summary() == (f"balancer on rank 0: {svc._warned} warnings in this run, {len(shown)} of them"
+                                      " shown; 250 steps fell back to the default budget")
+
+
 def test_tuner_error_gives_everyone_the_default(monkeypatch, caplog):
     import sparsebalance_ft.balancer.service as service
 
