@@ -50,6 +50,12 @@ bench-attention: install
 bench-selection: install $(MODEL)/config.json
 	$(SBFT) bench selection --model $(MODEL) --out $(BENCH)/selection.json
 
+# The balancer's host-side overhead per step and per epoch (tuner at 64 ranks, cost model over 100K documents,
+# Karmarkar-Karp into 1,024 parts): timed here rather than asserted in tests, where a loaded machine flakes.
+.PHONY: bench-overhead
+bench-overhead: install
+	$(PY) -m sparsebalance_ft.bench.overhead --out $(BENCH)/overhead.json
+
 .PHONY: bench-packing
 bench-packing: install
 	$(SBFT) bench packing --tokens 4096,32768,131072 --repeats 20 --out $(BENCH)/packing.json
