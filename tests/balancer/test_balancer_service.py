@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from _balancer_fakes import BrokenCost, FakeCost, FakeStats, NanCost, report
 from sparsebalance_ft.balancer.config import BalanceConfig
-from sparsebalance_ft.balancer.service import BalancerService, predict_times
+from sparsebalance_ft.balancer.service import BalancerService
 
 
 def make(tuning="bidirectional", cost=None, stats=None, **kw):
@@ -23,9 +23,11 @@ def test_predict_is_monotone_and_sums_micro_batches():
     svc = make()
     t = svc.predict([[4096, 1024], [], [2048]])
     assert t.shape == svc.grid.shape and np.all(np.diff(t) > 0)
-    one = predict_times(FakeCost(), FakeStats(), [[4096, 1024]], svc.grid)
-    two = predict_times(FakeCost(), FakeStats(), [[2048]], svc.grid)
-    assert np.allclose(t, one + two)
+    # by hand from the fakes: per micro-batch 1e-3 + sum(1e-6 L + 1e-9 b^1.5 L^2); the empty one costs nothing
+    density = svc.grid**1.5
+    one = 1e-3 + 1e-6 * (4096 + 1024) + 1e-9 * density * (4096**2 + 1024**2)
+    two = 1e-3 + 1e-6 * 2048 + 1e-9 * density * 2048**2
+    assert np.allclose(t, one + two, rtol=1e-12)
     assert np.all(svc.predict([]) == 0)
 
 
