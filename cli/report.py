@@ -32,6 +32,15 @@ def _fmt(value, kind: str = "") -> str:
     return str(value)
 
 
+def _prediction_error(summary: dict, profiled: bool) -> str:
+    """With a profile, the error as predicted; else the analytic model's, rescaled online (labelled)."""
+    if profiled or summary["prediction_error_rescaled"] is None:
+        label = " (profile)" if profiled else " (analytic cost model, uncalibrated: run `sbft profile`)"
+        return _fmt(summary["prediction_error"], "%") + (label if summary["prediction_error"] is not None else "")
+    return (f"{_fmt(summary['prediction_error_rescaled'], '%')} (analytic cost model rescaled by each rank's"
+            f" measured times of earlier steps; {_fmt(summary['prediction_error'], '%')} at its assumed FLOP rate)")
+
+
 def register(app: typer.Typer) -> None:
     @app.command("report")
     @user_errors
@@ -43,7 +52,7 @@ def register(app: typer.Typer) -> None:
         """Draw a per-rank timeline, budgets/densities over time, bubble and loss over time (PNG)."""
         from rich.table import Table
 
-        from sparsebalance_ft.report import make_report
+        from sparsebalance_ft.report import FIGURES, make_report
 
         result = make_report(run_dir, out, _parse_steps(steps))
         s = result.summary
@@ -58,7 +67,7 @@ def register(app: typer.Typer) -> None:
             ("mean budget", _fmt(s["mean_budget"])),
             ("mean density", _fmt(s["mean_density"])),
             ("mean recall", _fmt(s["mean_recall"])),
-            ("prediction error", _fmt(s["prediction_error"], "%")),
+            ("prediction error", _prediction_error(s, result.profiled)),
             ("loss first -> final", f"{_fmt(s['first_loss'])} -> {_fmt(s['final_loss'])}"),
             ("eval loss first -> final", f"{_fmt(s['first_eval_loss'])} -> {_fmt(s['final_eval_loss'])}"),
         ]
@@ -67,4 +76,4 @@ def register(app: typer.Typer) -> None:
         console.print(table)
         console.print(f"timeline steps: {', '.join(map(str, result.timeline_steps))}")
         for path in result.files:
-            console.print(f"wrote {path}")
+            console.print(f"wrote {path}: {FIGURES.get(path.name, '')}")

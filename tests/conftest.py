@@ -103,7 +103,9 @@ def write_recipe(tiny_model_dir, jsonl_corpus, tmp_path):
 
     def make(**sections) -> Path:
         recipe = {
+            # dense attention and one-step random batching: fast, and what most tests are not about
             "model": {"path": str(tiny_model_dir), "attn_implementation": "sdpa"},
+            "balance": {"batching": "random"},
             "lora": {"r": 8, "alpha": 16},
             "data": {"path": str(jsonl_corpus), "max_seq_len": 512, "cache_dir": str(tmp_path / "cache")},
             "training": {

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparsebalance_ft.recipe import RecipeError, dump_recipe, load_recipe
+from sparsebalance_ft.recipe import RecipeError, describe_setup, dump_recipe, load_recipe
 
 
 @pytest.fixture
@@ -125,9 +125,43 @@ def test_shipped_recipes_validate():
         load_recipe(path, check_paths=False)
 
 
-def test_tuning_needs_the_sparse_attention(paths):
+def test_an_explicit_tuning_needs_the_sparse_attention(paths):
     with pytest.raises(RecipeError, match="needs model.attn_implementation: sparsebalance"):
-        load_recipe(write(paths["root"], minimal(paths)), ["balance.tuning=bidirectional"])
+        load_recipe(write(paths["root"], minimal(paths)), ["model.attn_implementation=sdpa", "balance.tuning=bidirectional"])
+
+
+def test_the_defaults_are_the_recommended_setup(paths):
+    """Only model and data: sparse attention, SparseBalance batching, layer tuning filling to the slowest rank."""
+    recipe = load_recipe(write(paths["root"], {"model": {"path": paths["model"]}, "data": {"path": paths["data"]}}))
+    assert recipe.model.attn_implementation == "sparsebalance"
+    assert (recipe.balance.batching, recipe.balance.tuning, recipe.balance.target) == ("sparsebalance", "layer", "fill")
+    assert recipe.uses_gradient_checkpointing  # the default 4,096 tokens is long
+    assert describe_setup(recipe)[1] == "changed from the defaults: none"
+
+
+@pytest.mark.parametrize(("tokens", "expected"), [(2048, False), (4095, False), (4096, True), (32768, True)])
+def test_gradient_checkpointing_auto_follows_the_sequence_length(paths, tokens, expected):
+    recipe = load_recipe(write(paths["root"], minimal(paths)), [f"data.max_seq_len={tokens}"])
+    assert recipe.uses_gradient_checkpointing is expected
+    forced = load_recipe(write(paths["root"], minimal(paths)), [f"data.max_seq_len={tokens}", "model.gradient_checkpointing=false"])
+    assert forced.uses_gradient_checkpointing is False
+
+
+def test_the_dense_baseline_is_one_switch(paths):
+    """`model.attn_implementation=sdpa` alone validates: the default tuning steps aside (nothing to tune)."""
+    recipe = load_recipe(write(paths["root"], minimal(paths)), ["model.attn_implementation=sdpa"])
+    assert recipe.balance.tuning == "none"
+    setup, changed = describe_setup(recipe)
+    assert setup.startswith("setup: dense attention (sdpa), batching sparsebalance, tuning off")
+    assert changed == "changed from the defaults: model.attn_implementation=sdpa, data.max_seq_len=256, balance.tuning=none"
+    again = load_recipe(write(paths["root"], recipe.model_dump(mode="json")))  # the dumped run recipe reloads as is
+    assert again == recipe
+
+
+def test_layer_tuning_by_default_names_the_way_to_budget_one(paths):
+    with pytest.raises(RecipeError, match=r"tuning 'layer' \(the default; bidirectional tunes up to 1.0\) needs max_budget < 1.0"):
+        load_recipe(write(paths["root"], minimal(paths)), ["balance.max_budget=1.0"])
+    load_recipe(write(paths["root"], minimal(paths)), ["balance.max_budget=1.0", "balance.tuning=bidirectional"])
 
 
 def test_default_budget_must_lie_within_the_tuning_bounds(paths):
@@ -136,3 +170,9 @@ def test_default_budget_must_lie_within_the_tuning_bounds(paths):
             write(paths["root"], minimal(paths)),
             ["model.attn_implementation=sparsebalance", "balance.tuning=bidirectional", "sparsity.budget=0.95"],
         )
+
+
+@pytest.mark.parametrize("value", ["none", "[none]", "[]", "null"])
+def test_report_to_none_in_every_spelling_means_no_tracker(paths, value):
+    recipe = load_recipe(write(paths["root"], minimal(paths)), [f"training.report_to={value}"])
+    assert recipe.training.report_to == []

@@ -426,20 +426,3 @@ def sampled_recall(
         kept_tok = kept.repeat_interleave(bs)
         total += float(prob[..., kept_tok].sum(-1).mean())
     return total / len(picks)
-
-
-def block_density_by_doc(layout: Layout, sel: Selection) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kept, causal) block counts per document, summed over key-value heads."""
-    ndoc = len(layout.doc_lengths)
-    kept = torch.zeros(ndoc, dtype=torch.float64)
-    caus = torch.zeros(ndoc, dtype=torch.float64)
-    bd = layout.block_doc.cpu()
-    hkv = sel.counts.shape[0]
-    kept.index_add_(0, bd, sel.counts.sum(0).cpu().double())
-    caus.index_add_(0, bd, sel.causal.cpu().double() * hkv)
-    return kept, caus
-
-
-def causal_blocks(length: int, block_size: int) -> int:
-    nb = max(1, math.ceil(length / block_size))
-    return nb * (nb + 1) // 2

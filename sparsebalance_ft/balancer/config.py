@@ -17,12 +17,16 @@ class BalanceConfigError(UserError):
 
 
 class BalanceConfig(BaseModel):
-    """Sparsity-aware batching (SAB) and dynamic sparsity tuning (DST) settings."""
+    """Sparsity-aware batching (SAB) and dynamic sparsity tuning (DST) settings.
+
+    The defaults are the setup the project's measurements favour (docs/balancing.md): SAB over the
+    look-ahead, layer-level DST, and target `fill`, which cuts nobody and spends waits on budget.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     batching: BatchingPolicyName = Field(
-        "random",
+        "sparsebalance",
         description="How each step's documents are assigned to ranks. length-grouped and verl are the fair peers"
         " (they see the same look-ahead as sparsebalance); random, tokens, kk-length and kk-flops see one step.",
     )
@@ -33,7 +37,7 @@ class BalanceConfig(BaseModel):
         description="Steps whose documents length-grouped, verl and sparsebalance regroup together (1: none).",
     )
     tuning: TuningMode = Field(
-        "none",
+        "layer",
         description="Dynamic sparsity tuning: lower stragglers' budgets, and optionally raise the others'. layer:"
         " per-step bidirectional tuning, then, inside the step, every layer's measured work is exchanged and each"
         " rank's selection moved toward the step's target (balancer/layer_tuning.py).",
@@ -43,7 +47,7 @@ class BalanceConfig(BaseModel):
     per_layer: bool = Field(False, description="Tune a budget per layer instead of one per rank.")
     profile: str | None = Field(None, description="Latency profile from `sbft profile`; an analytic model is used without one.")
     target: TargetRule = Field(
-        "mean",
+        "fill",
         description=(
             "Target step time T* of the tuner. mean: the mean predicted time at the default budget over the ranks that"
             " can absorb work (idle and padding-only ranks do not count), raised to the slowest rank's time at"
@@ -74,7 +78,8 @@ class BalanceConfig(BaseModel):
         if self.min_budget > self.max_budget:
             raise ValueError(f"min_budget ({self.min_budget}) must not exceed max_budget ({self.max_budget})")
         if self.tuning == "layer" and self.max_budget >= 1.0:
-            raise ValueError("tuning 'layer' needs max_budget < 1.0 (at 1.0 a layer runs dense and has no blocks to move)")
+            chosen = "" if "tuning" in self.model_fields_set else " (the default; bidirectional tunes up to 1.0)"
+            raise ValueError(f"tuning 'layer'{chosen} needs max_budget < 1.0 (at 1.0 a layer runs dense and has no blocks to move)")
         return self
 
     def check_default_budget(self, default_budget: float) -> None:

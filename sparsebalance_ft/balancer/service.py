@@ -186,6 +186,14 @@ class BalancerService:
         if self._warned <= 10 or self._warned % 100 == 0:
             log.warning(message + (" (warning %d)" % self._warned), *args, exc_info=exc_info)
 
+    def warnings_summary(self) -> str | None:
+        """One line for the end of the run when warnings were silenced (after the 10th, only every 100th shows)."""
+        shown = min(self._warned, 10) + self._warned // 100  # the first ten, then every hundredth
+        if shown == self._warned:
+            return None
+        return (f"balancer on rank {self.rank}: {self._warned} warnings in this run, {shown} of them shown;"
+                f" {self.fallbacks} steps fell back to the default budget")
+
     # -- the per-step decision --------------------------------------------------------------
     def predict(self, micro_batches: Sequence[Sequence[int]]) -> np.ndarray:
         """This rank's predicted compute seconds on the budget grid ([G]); raises on bad input."""

@@ -45,7 +45,8 @@ class FinetunePlan:
 def base_recipe(model_dir: Path, work: Path, plan: FinetunePlan) -> Recipe:
     """The recipe every arm shares: long standard-library modules, LoRA on every linear layer."""
     return recipe_from_dict({
-        "model": {"path": str(model_dir), "dtype": "float32"},
+        # pinned to the settings the published figures ran with; each arm overrides attention, batching and tuning
+        "model": {"path": str(model_dir), "dtype": "float32", "attn_implementation": "sdpa", "gradient_checkpointing": False},
         "lora": {"r": 16, "alpha": 32,
                  "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
         "data": {"path": sysconfig.get_paths()["stdlib"], "text_glob": "*.py", "max_seq_len": plan.tokens,
@@ -54,7 +55,7 @@ def base_recipe(model_dir: Path, work: Path, plan: FinetunePlan) -> Recipe:
                      "learning_rate": plan.learning_rate, "warmup_steps": max(1, plan.steps // 10),
                      "seed": plan.seed, "log_every": 1, "tensorboard": False},
         "sparsity": {"budget": 0.5},
-        "balance": {"min_budget": 0.2, "max_budget": 0.9},
+        "balance": {"batching": "random", "tuning": "none", "target": "mean", "min_budget": 0.2, "max_budget": 0.9},
     }, "real fine-tune base recipe")
 
 

@@ -548,14 +548,9 @@ def load_cost_model(recipe: Any, model_config: Any = None, **kwargs: Any) -> Cos
         from transformers import AutoConfig
 
         model_config = AutoConfig.from_pretrained(recipe.model.path)
-    flops = 4.0e14
-    try:
-        import torch
+    import torch
 
-        if not torch.cuda.is_available():
-            flops = 5.0e10
-    except Exception:  # pragma: no cover
-        pass
+    flops = 4.0e14 if torch.cuda.is_available() else 5.0e10
     return AnalyticCostModel.from_hf_config(model_config, flops_per_s=flops,
                                             dense_layers=list(recipe.sparsity.dense_layers))
 

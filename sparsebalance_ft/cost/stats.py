@@ -30,49 +30,15 @@ _STATE_VERSION = 1
 
 
 def attention_prior(config: SparsityConfig) -> PriorFn:
-    """The prior density at (lengths, budget) from the attention's budget mapping."""
-    try:
-        from ..attention.budget import max_density  # type: ignore[attr-defined]
-    except ImportError:  # the attention package not built yet: a documented stand-in
-        return lambda lengths, budget: fallback_max_density(lengths, config, budget)
+    """The prior density at (lengths, budget): the attention's own bound, `attention.budget.max_density`."""
+    from ..attention.budget import max_density
 
     def prior(lengths: np.ndarray, budget: float) -> np.ndarray:
         lengths = np.asarray(lengths)
-        try:
-            out = np.asarray(max_density(lengths, config, budget), dtype=np.float64)
-            if out.shape == lengths.shape:
-                return out
-        except Exception:
-            pass
-        return np.array([float(max_density(int(n), config, budget)) for n in lengths.reshape(-1)],
+        return np.array([max_density(int(n), config, budget) for n in lengths.reshape(-1)],
                         dtype=np.float64).reshape(lengths.shape)
 
     return prior
-
-
-def fallback_max_density(lengths: np.ndarray, config: SparsityConfig, budget: float) -> np.ndarray:
-    """Stand-in bound: per query block, min(causal blocks, max(k_min, anchors, k_cap(budget))).
-
-    `k_cap` is `k_max` at the default budget, scaled linearly by budget/default below it and
-    rising to every causal block at budget 1.0 above it.
-    """
-    L = np.asarray(lengths, dtype=np.float64)
-    nb = np.maximum(np.ceil(L / config.block_size), 1.0)
-    b, b0 = float(budget), max(float(config.budget), 1e-6)
-    out = np.empty_like(nb)
-    for idx, n in np.ndenumerate(nb):
-        n = int(n)
-        if b >= 1.0:
-            out[idx] = 1.0
-            continue
-        if b <= b0:
-            cap = config.k_max * b / b0
-        else:
-            cap = config.k_max + (n - config.k_max) * (b - b0) / (1.0 - b0)
-        cap = max(cap, config.k_min, config.sink_blocks + config.local_blocks)
-        rows = np.arange(1, n + 1, dtype=np.float64)
-        out[idx] = float(np.minimum(rows, cap).sum() / rows.sum())
-    return out
 
 
 def _isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -310,4 +276,4 @@ class DensityStats:
         self._cache = None
 
 
-__all__ = ["DensityStats", "attention_prior", "fallback_max_density"]
+__all__ = ["DensityStats", "attention_prior"]

@@ -98,10 +98,7 @@ class ControllerDriver:
     def drain(self) -> None:
         pop = getattr(self.controller, "pop_report", None)
         if pop is not None:
-            try:
-                pop()
-            except Exception:
-                pass
+            pop()  # discard the report: profiling forces densities, so there is nothing to learn from it
 
 
 def attach_driver(model: Any, recipe: Any) -> DensityDriver:
@@ -623,7 +620,7 @@ def recipe_meta(recipe: Any, model: Any) -> dict[str, Any]:
             "path": recipe.model.path,
             "parameters": int(total),
             "trainable_parameters": int(trainable),
-            "gradient_checkpointing": recipe.model.gradient_checkpointing,
+            "gradient_checkpointing": recipe.uses_gradient_checkpointing,
             "lora": recipe.lora.enabled,
         },
         "max_seq_len": recipe.data.max_seq_len,

@@ -7,7 +7,14 @@ from typing import Any
 
 from .metrics import ReportError, default_timeline_steps, load_metrics, summarize
 
-__all__ = ["ReportError", "ReportResult", "load_metrics", "make_report", "summarize"]
+__all__ = ["FIGURES", "ReportError", "ReportResult", "load_metrics", "make_report", "summarize"]
+
+
+FIGURES = {  # what each PNG shows, in one line (printed by `sbft report`)
+    "timeline.png": "per rank, compute time then the wait for the slowest rank, at a few steps",
+    "budgets.png": "each rank's attention budget, kept density and sampled recall over the steps",
+    "bubble_loss.png": "bubble share, step time, and training and validation loss over the steps",
+}
 
 
 @dataclass
@@ -15,6 +22,7 @@ class ReportResult:
     summary: dict[str, Any]
     files: list[Path]
     timeline_steps: list[int]
+    profiled: bool = False  # the run's cost model came from `sbft profile` (else: analytic)
 
 
 def make_report(run_dir: str | Path, out_dir: str | Path | None = None, steps: list[int] | None = None) -> ReportResult:
@@ -44,4 +52,15 @@ def make_report(run_dir: str | Path, out_dir: str | Path | None = None, steps: l
         plot_budgets(records, out / "budgets.png"),
         plot_bubble_loss(records, out / "bubble_loss.png"),
     ]
-    return ReportResult(summarize(records), files, chosen)
+    return ReportResult(summarize(records), files, chosen, _ran_with_profile(Path(run_dir)))
+
+
+def _ran_with_profile(run_dir: Path) -> bool:
+    """Whether the run's recipe (as `sbft train` saved it) named a latency profile."""
+    import yaml
+
+    recipe = run_dir / "recipe.yaml"
+    if not recipe.is_file():
+        return False
+    data = yaml.safe_load(recipe.read_text()) or {}
+    return bool((data.get("balance") or {}).get("profile"))

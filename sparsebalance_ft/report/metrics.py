@@ -76,6 +76,28 @@ def loss_series(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]
     return series
 
 
+def rescaled_prediction_errors(records: list[dict]) -> list[float]:
+    """|predicted x r / measured - 1| per rank and step, where r is the median measured / predicted
+    ratio of that rank's earlier steps, its first step (a warm-up) left out.
+
+    What an analytic cost model scaled online by this machine's measured times would have predicted:
+    its absolute seconds assume a FLOP rate, but balancing decisions only compare ranks, so one
+    factor per rank is all it lacks. Each step is predicted from earlier steps only."""
+    ratios: dict[Any, list[float]] = {}
+    errors = []
+    for record in records:
+        for entry in record.get("ranks") or []:
+            predicted, measured = num(entry.get("predicted_time")), num(entry.get("compute_time"))
+            if not (math.isfinite(predicted) and predicted > 0 and math.isfinite(measured) and measured > 0):
+                continue
+            seen = ratios.setdefault(entry.get("rank"), [])
+            earlier = sorted(seen[1:])
+            if earlier:
+                errors.append(abs(predicted * earlier[len(earlier) // 2] / measured - 1.0))
+            seen.append(measured / predicted)
+    return errors
+
+
 def _mean(values) -> float | None:
     values = [v for v in values if math.isfinite(v)]
     return sum(values) / len(values) if values else None
@@ -107,6 +129,7 @@ def summarize(records: list[dict]) -> dict[str, Any]:
         "mean_recall": _mean(num(e.get("recall")) for e in ranks),
         "mean_wait_time": _mean(num(e.get("wait_time")) for e in ranks),
         "prediction_error": _mean(errors),
+        "prediction_error_rescaled": _mean(rescaled_prediction_errors(records)),
         "first_loss": finite_losses[0] if finite_losses else None,
         "final_loss": finite_losses[-1] if finite_losses else None,
         "eval_points": len(eval_losses),

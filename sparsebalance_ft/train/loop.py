@@ -7,6 +7,7 @@ micro-batches, (4) waits for the slowest rank and sums gradients, (5) steps the 
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..data import load_corpus, pack_documents
-from ..recipe import Recipe, dump_recipe
+from ..recipe import Recipe, describe_setup, dump_recipe
 from .balancing import build_balancing
 from .checkpoint import choose_checkpoint, load_checkpoint, save_checkpoint
 from .metrics import MetricsWriter, RankRecord, gather_records, step_metrics
@@ -29,6 +30,8 @@ from .progress import StepProgress
 from .step import run_local_step
 from .trackers import tracker_names
 from .validation import build_validation
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -150,6 +153,8 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
         corpus, validation = build_validation(recipe, corpus, tokenizer, rank, world, console.print if accelerator.is_main_process else None)
     if accelerator.is_main_process:
         console.print(f"data: {corpus.describe()}", highlight=False)
+        for line in describe_setup(recipe):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
     if not accelerator.is_main_process:
         from transformers.utils import logging as hf_logging
 
@@ -243,6 +248,9 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
     if accelerator.is_main_process and not (finished_before and adapter_dir.is_dir()):
         accelerator.unwrap_model(model).save_pretrained(adapter_dir)
         tokenizer.save_pretrained(adapter_dir)
+    summary = balancing.service.warnings_summary() if balancing.service is not None else None
+    if summary:
+        log.warning(summary)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {

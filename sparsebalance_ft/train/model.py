@@ -129,7 +129,7 @@ def load_model(recipe: Recipe, adapter_dir: str | Path | None = None, trainable:
     model = load_base_model(recipe)
     if recipe.lora.enabled or adapter_dir is not None:
         model = apply_lora(model, recipe, adapter_dir, trainable)
-    if recipe.model.gradient_checkpointing:
+    if recipe.uses_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()

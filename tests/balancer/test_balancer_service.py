@@ -10,12 +10,12 @@ import torch.multiprocessing as mp
 
 from _balancer_fakes import BrokenCost, FakeCost, FakeStats, NanCost, report
 from sparsebalance_ft.balancer.config import BalanceConfig
-from sparsebalance_ft.balancer.service import BalancerService, predict_times
+from sparsebalance_ft.balancer.service import BalancerService
 
 
 def make(tuning="bidirectional", cost=None, stats=None, **kw):
     per_layer = kw.pop("per_layer", False)
-    cfg = BalanceConfig(tuning=tuning, min_budget=0.1, max_budget=0.9, per_layer=per_layer)
+    cfg = BalanceConfig(tuning=tuning, min_budget=0.1, max_budget=0.9, per_layer=per_layer, target="mean")
     return BalancerService(cfg, cost or FakeCost(), stats or FakeStats(), 0.5, **kw)
 
 
@@ -23,9 +23,11 @@ def test_predict_is_monotone_and_sums_micro_batches():
     svc = make()
     t = svc.predict([[4096, 1024], [], [2048]])
     assert t.shape == svc.grid.shape and np.all(np.diff(t) > 0)
-    one = predict_times(FakeCost(), FakeStats(), [[4096, 1024]], svc.grid)
-    two = predict_times(FakeCost(), FakeStats(), [[2048]], svc.grid)
-    assert np.allclose(t, one + two)
+    # by hand from the fakes: per micro-batch 1e-3 + sum(1e-6 L + 1e-9 b^1.5 L^2); the empty one costs nothing
+    density = svc.grid**1.5
+    one = 1e-3 + 1e-6 * (4096 + 1024) + 1e-9 * density * (4096**2 + 1024**2)
+    two = 1e-3 + 1e-6 * 2048 + 1e-9 * density * 2048**2
+    assert np.allclose(t, one + two, rtol=1e-12)
     assert np.all(svc.predict([]) == 0)
 
 
@@ -47,6 +49,20 @@ def test_bad_prediction_falls_back_to_default_with_warning(cost, caplog):
     assert d.budget == 0.5 and d.fallback_ranks == [0] and math.isnan(d.predicted_time)
     assert any("default budget" in rec.getMessage() for rec in caplog.records)
     assert svc.fallbacks == 1
+
+
+def test_silenced_warnings_are_counted_at_the_end(caplog):
+    """After ten, only every hundredth warning shows; the run's end says how many there were and how many showed."""
+    svc = make(cost=NanCost())
+    with caplog.at_level(logging.WARNING, logger="sparsebalance_ft.balancer"):
+        svc.decide([[4096]])
+        assert svc.warnings_summary() is None  # nothing silenced yet
+        for _ in range(249):
+            svc.decide([[4096]])
+    shown = [r for r in caplog.records if "warning" in r.getMessage()]
+    assert svc._warned >= 250 and len(shown) < 20
+    assert svc.warnings_summary() == (f"balancer on rank 0: {svc._warned} warnings in this run, {len(shown)} of them"
+                                      " shown; 250 steps fell back to the default budget")
 
 
 def test_tuner_error_gives_everyone_the_default(monkeypatch, caplog):

@@ -246,4 +246,4 @@ def test_uneven_micro_batch_counts_on_two_gloo_ranks(tmp_path):
     assert len(r0["gathered"]) == len(r1["gathered"]) == 6  # 2 micro-batches x 3 layers on both ranks
     assert r0["gathered"] == r1["gathered"]  # the same array, so the same rule, on both ranks
     assert all(row[1] == [0.0, 0.0, 0.0] for row in r1["gathered"][3:])  # rank 1's padding exchanges
-    assert r0["seconds"] >= 0.0 and r1["seconds"] >= 0.0
+    assert r0["seconds"] > 0.0 and r1["seconds"] > 0.0  # six exchanges each were timed (0: nothing recorded)

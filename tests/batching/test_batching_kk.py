@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 import pytest
@@ -95,11 +94,8 @@ def test_refine_never_worse():
 
 def test_kk_scale_100k_items_1024_parts():
     w = np.random.default_rng(2).lognormal(8, 1.2, 100_000)
-    t0 = time.perf_counter()
-    parts = karmarkar_karp(w, 1024)
-    elapsed = time.perf_counter() - t0
+    parts = karmarkar_karp(w, 1024)  # its time: python -m sparsebalance_ft.bench.overhead
     check_partition(parts, 100_000, 1024)
-    assert elapsed < 10.0, elapsed  # measured about 1.2 s on this machine; slack for shared CPUs
 
 
 def brute_force_equal_max(w: np.ndarray, k: int) -> float:

@@ -23,6 +23,7 @@ def recipe(tmp_path, tiny_model_dir, text_corpus_dir):
         "model": {"path": str(tiny_model_dir)},
         "data": {"path": str(text_corpus_dir), "text_glob": "a*", "cache_dir": str(tmp_path / "cache")},
         "sparsity": {"budget": 1.0, "exact_dense_at_full_budget": False},
+        "balance": {"tuning": "none"},  # a fixed full budget: nothing to tune
     }))
     return load_recipe(path)
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import time
 import warnings
 
 import numpy as np
@@ -67,14 +66,12 @@ def test_micro_batch_time_adds_overhead_and_empty_is_zero():
     assert m.micro_batch_time(np.array([]), np.array([])) == 0.0
 
 
-def test_doc_times_is_fast_for_a_large_window():
+def test_doc_times_covers_a_large_window():
     m = AnalyticCostModel.llama_8b()
     rng = np.random.default_rng(0)
     L = rng.integers(16, 131072, 100_000)
     d = rng.uniform(0.1, 0.6, L.size)
-    start = time.perf_counter()
-    out = m.doc_times(L, d)
-    assert time.perf_counter() - start < 0.5
+    out = m.doc_times(L, d)  # its time: python -m sparsebalance_ft.bench.overhead
     assert out.shape == (100_000,) and np.all(out > 0)
 
 
@@ -167,16 +164,6 @@ def test_predictions_are_positive_and_monotone():
     dens = np.linspace(0, 1, 21)
     t = p.doc_times(np.full(21, 700.0), dens)
     assert np.all(np.diff(t) >= 0)
-
-
-def test_prediction_speed_microseconds_per_micro_batch():
-    p = power_law_profile()
-    L, d = np.array([200.0, 300.0, 900.0, 64.0]), np.array([0.2, 0.3, 0.4, 0.5])
-    p.micro_batch_time(L, d)
-    start = time.perf_counter()
-    for _ in range(200):
-        p.micro_batch_time(L, d)
-    assert (time.perf_counter() - start) / 200 < 1e-3  # typically ~50 us
 
 
 def test_save_and_load_roundtrip(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 
 from sparsebalance_ft.attention.config import SparsityConfig
 from sparsebalance_ft.cost import DensityStats
-from sparsebalance_ft.cost.stats import fallback_max_density
+from sparsebalance_ft.cost.stats import attention_prior
 
 
 def stand_in_prior(lengths, budget):
@@ -93,16 +93,20 @@ def test_state_dict_roundtrip_through_json():
         make(budget_points=11).load_state_dict(state)
 
 
-def test_fallback_prior_is_monotone_and_dense_at_budget_one():
-    cfg = SparsityConfig()
+def test_prior_is_the_attention_bound_monotone_and_dense_at_budget_one():
+    """One density bound (the attention's), by hand at one point: 16 blocks, k_max 8 at budget 0.5."""
+    cfg = SparsityConfig(k_max=8, k_min=4, sink_blocks=1, local_blocks=2)
+    prior = attention_prior(cfg)
     L = np.array([64, 1000, 8000, 64000])
     prev = np.zeros(L.size)
     for b in np.linspace(0, 1, 11):
-        cur = fallback_max_density(L, cfg, b)
+        cur = prior(L, b)
         assert np.all(cur >= prev - 1e-12) and np.all((cur > 0) & (cur <= 1))
         prev = cur
-    np.testing.assert_array_equal(fallback_max_density(L, cfg, 1.0), 1.0)
-    assert fallback_max_density([64], cfg, 0.1)[0] == 1.0  # one block: always dense
+    np.testing.assert_array_equal(prior(L, 1.0), 1.0)
+    assert prior(np.array([64]), 0.1)[0] == 1.0  # one block: always dense
+    # 16 query blocks keeping min(row, 8) of their causal blocks: (1+..+8 + 8*8) / (1+..+16) = 100/136
+    assert prior(np.array([1024]), 0.5)[0] == pytest.approx(100 / 136)
 
 
 def test_default_prior_uses_the_attention_budget_api_or_the_stand_in():

@@ -65,8 +65,14 @@ def test_profile_and_validate_a_sparse_model(sparse_lora_model, tmp_path):
                             warmup=0, repeats=1, progress=False)
     assert report["micro_batch"]["n"] == 2 and report["held_out"]["n"] >= 1
     assert report["clock"] == "cpu"
+    # each prediction is the loaded profile's own, and the summary is the error of those against the measurements
     for case in report["cases"]:
-        assert case["measured"] > 0 and case["predicted"] > 0
+        assert case["predicted"] == pytest.approx(loaded.micro_batch_time(np.array(case["lengths"]), case["density"]))
+        assert case["measured"] > 0
+    cases = report["cases"]
+    errors = sorted(abs(c["predicted"] - c["measured"]) / c["measured"] for c in cases)
+    assert report["all"]["n"] == len(cases) and report["all"]["max_ape"] == pytest.approx(errors[-1])
+    assert report["all"]["median_ape"] == pytest.approx(float(np.median(errors)))
 
 
 def test_noop_attention_swap_is_restored_even_on_error(sparse_lora_model):

@@ -136,3 +136,18 @@ def test_eval_loss_is_summarised_and_drawn_beside_the_training_loss(tmp_path):
     assert summarize(load_metrics(synthetic_run(tmp_path / "plain")))["final_eval_loss"] is None
     output = CliRunner().invoke(_app(), ["report", str(run)]).output
     assert "eval loss first -> final" in output and "5.4 -> 4.8" in output
+
+
+def test_rescaled_prediction_error_uses_only_earlier_steps():
+    """An analytic model off by a constant factor is exact once rescaled; a step is judged on earlier ones only."""
+    from sparsebalance_ft.report.metrics import rescaled_prediction_errors
+
+    def record(step, predicted, measured):
+        return {"step": step, "ranks": [{"rank": 0, "predicted_time": predicted, "compute_time": measured}]}
+
+    # step 1 (warm-up, 10x slow) is left out; steps 2-3 give ratio 3; step 4 measured 4.5 against 1 x 3
+    records = [record(1, 1.0, 30.0), record(2, 1.0, 3.0), record(3, 2.0, 6.0), record(4, 1.0, 4.5)]
+    assert rescaled_prediction_errors(records) == pytest.approx([0.0, 1.0 - 3.0 / 4.5])
+    raw = (1 - 1 / 30 + 1 - 1 / 3 + 1 - 2 / 6 + 1 - 1 / 4.5) / 4  # as predicted, no rescaling
+    assert summarize(records)["prediction_error"] == pytest.approx(raw)
+    assert summarize(records)["prediction_error_rescaled"] == pytest.approx((0.0 + 1.0 - 3.0 / 4.5) / 2)

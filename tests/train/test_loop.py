@@ -31,6 +31,29 @@ def test_training_lowers_the_loss_and_logs_every_step(write_recipe):
     assert (Path(recipe.training.output_dir) / "adapter" / "adapter_config.json").is_file()
 
 
+def test_a_recipe_naming_only_model_and_data_runs_the_method(tiny_model_dir, jsonl_corpus, tmp_path, capsys):
+    """No method key set: the run is sparse, SparseBalance-batched and layer-tuned, and says so at start."""
+    import yaml
+    from rich.console import Console
+
+    out = tmp_path / "run"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({  # besides model and data, only sizes that keep the test short
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"path": str(jsonl_corpus), "max_seq_len": 1024, "cache_dir": str(tmp_path / "cache")},
+        "training": {"output_dir": str(out), "max_steps": 2, "docs_per_rank": 2, "report_to": "none"},
+    }))
+    recipe = load_recipe(path)
+    train(recipe, console=Console(file=None, stderr=False, force_terminal=False))
+    printed = capsys.readouterr().out
+    assert "setup: sparse attention (budget 0.5, tuned within 0.1..0.9), batching sparsebalance, tuning layer (target fill)" in printed
+    rows = read_metrics(out / "metrics.jsonl")
+    assert len(rows) == 2
+    for rank in rows[-1]["ranks"]:
+        assert 0.1 <= rank["budget"] <= 0.9
+        assert 0.0 < rank["density"] < 1.0  # up to 16 blocks of 64 tokens: the selection dropped some
+
+
 SPARSE_BALANCED = {
     "model": {"attn_implementation": "sparsebalance"},
     "sparsity": {"k_max": 4, "k_min": 2, "block_size": 16, "recall_samples": 1},
