@@ -107,7 +107,7 @@ def test_positions_beyond_native_without_scaling_name_the_key(short_model):
 def test_a_model_without_rotary_positions(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(RopeError, match=r"model.rope_scaling: .* has no rotary position embeddings \(model_type gpt2\)"):
         check_model_dir(_recipe(tmp_path / "gpt2", 512, rope_scaling={"type": "linear"}))
 
