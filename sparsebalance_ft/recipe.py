@@ -48,8 +48,8 @@ class RopeScalingConfig(_Section):
     beta_fast: float | None = Field(None, gt=0, description="yarn: rotations above which frequencies are kept (transformers' default 32).")
     beta_slow: float | None = Field(None, gt=0, description="yarn: rotations below which frequencies are interpolated (default 1).")
     attention_factor: float | None = Field(None, gt=0, description="yarn: attention temperature; default 0.1 ln(factor) + 1.")
-    low_freq_factor: float = Field(1.0, gt=0, description="llama3: wavelengths above native / this are interpolated.")
-    high_freq_factor: float = Field(4.0, gt=0, description="llama3: wavelengths below native / this are kept.")
+    low_freq_factor: float | None = Field(None, gt=0, description="llama3: wavelengths above native / this are interpolated (default 1).")
+    high_freq_factor: float | None = Field(None, gt=0, description="llama3: wavelengths below native / this are kept (default 4).")
 
     @field_validator("type")
     @classmethod
@@ -71,13 +71,19 @@ class RopeScalingConfig(_Section):
     @model_validator(mode="after")
     def _keys_of_its_type(self) -> "RopeScalingConfig":
         for keys, owner in ((_YARN_KEYS, "yarn"), (_LLAMA3_KEYS, "llama3")):
-            given = [key for key in keys if key in self.model_fields_set]
+            given = [key for key in keys if getattr(self, key) is not None]
             if given and self.type != owner:
                 raise ValueError(f"{', '.join(given)} {'is a' if len(given) == 1 else 'are'} {owner} key"
                                  f"{'' if len(given) == 1 else 's'}; type is {self.type}")
-        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(f"high_freq_factor ({self.high_freq_factor:g}) must be above low_freq_factor ({self.low_freq_factor:g})")
+        low, high = self.llama3_band
+        if self.type == "llama3" and high <= low:
+            raise ValueError(f"high_freq_factor ({high:g}) must be above low_freq_factor ({low:g})")
         return self
+
+    @property
+    def llama3_band(self) -> tuple[float, float]:
+        """(low_freq_factor, high_freq_factor) with Llama 3.1's values (1, 4) where unset."""
+        return (self.low_freq_factor or 1.0, self.high_freq_factor or 4.0)
 
 
 class ModelConfig(_Section):

@@ -96,7 +96,7 @@ def _scaled_parameters(recipe: Recipe, base: dict, native: int, factor: float) -
         params.update({key: getattr(scaling, key) for key in ("beta_fast", "beta_slow", "attention_factor")
                        if getattr(scaling, key) is not None})
     if scaling.type == "llama3":
-        params.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor)
+        params.update(zip(("low_freq_factor", "high_freq_factor"), scaling.llama3_band))
     return params
 
 
