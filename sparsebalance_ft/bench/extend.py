@@ -134,7 +134,8 @@ def variant(recipe: Recipe, rope_type: str | None, attention: str = "sdpa") -> R
 
 
 def bench_recipe(recipe_path: Path, overrides: list[str], plan: ExtendPlan, work: Path, model_dir: Path | None) -> Recipe:
-    """The job's recipe at the plan's sizes, reading the training documents the bench writes under `work`."""
+    """The job's recipe at the plan's sizes, reading the training documents the bench writes under `work`;
+    `model_dir` replaces its model (the quick plan's tiny one, in float32 without checkpointing)."""
     import yaml
 
     data = yaml.safe_load(Path(recipe_path).read_text())
@@ -142,11 +143,9 @@ def bench_recipe(recipe_path: Path, overrides: list[str], plan: ExtendPlan, work
              f"data.min_seq_len={plan.train_len // 2}", f"training.max_steps={plan.steps}",
              "training.checkpoint_every=null", "training.report_to=none", f"training.seed={plan.seed}",
              f"training.warmup_steps={max(1, plan.steps // 10)}", f"data.cache_dir={work / 'cache'}"]
-    if model_dir is not None:
-        sized.append(f"model.path={model_dir}")
-    if plan.quick:  # the tiny model's blocks: 512 tokens are 8 blocks of 64
-        sized += ["model.dtype=float32", "model.gradient_checkpointing=false"]
-    return recipe_from_dict(apply_overrides(data, sized + list(overrides)), str(recipe_path))
+    # `model_dir` (the quick plan's tiny model) wins over a --set model.path meant for the real plan
+    forced = [f"model.path={model_dir}", "model.dtype=float32", "model.gradient_checkpointing=false"] if model_dir else []
+    return recipe_from_dict(apply_overrides(data, [*sized, *overrides, *forced]), str(recipe_path))
 
 
 def quick_model(work: Path) -> Path:
