@@ -10,7 +10,7 @@ MODEL   := $(RUNS)/tiny-llama
 
 REAL    := $(RUNS)/smollm2
 
-.PHONY: install demo test test-fast bench bench-attention bench-selection bench-profile bench-balance bench-accuracy bench-real simulate gpu-check clean
+.PHONY: install demo test test-fast bench bench-extend bench-attention bench-selection bench-profile bench-balance bench-accuracy bench-real simulate gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,15 @@ demo: install $(REAL)/sbft_model.json
 	$(SBFT) train recipes/demo.yaml --nproc 2 --set data.path=$(STDLIB) --set model.path=$(REAL)
 	$(SBFT) bench heldout recipes/demo.yaml --run $(RUNS)/demo --tokens 2048 --set data.path=$(STDLIB) --set model.path=$(REAL)
 	$(SBFT) report $(RUNS)/demo
+
+# Context extension: SmolLM2 (native 8K) to 16K. The full plan is sized for one GPU (DEVICE=cuda); on CPU
+# `make bench-extend DEVICE=cpu EXTEND_PLAN=--cpu-plan` runs a few 16K steps, `EXTEND_PLAN=--quick` the plumbing.
+DEVICE      ?= cuda
+EXTEND_PLAN ?=
+.PHONY: bench-extend
+bench-extend: install $(REAL)/sbft_model.json
+	$(SBFT) bench extend recipes/extend-smollm2.yaml --device $(DEVICE) $(EXTEND_PLAN) --set model.path=$(REAL) \
+		--out $(BENCH)/extend --work $(RUNS)/bench-extend
 
 # --- benchmarks (each writes JSON under bench_results/; figures are quoted in the README) ---
 BENCH   := bench_results

@@ -1,7 +1,7 @@
 """`sbft bench attention` (one attention layer, sparse vs dense SDPA), `sbft bench selection` (the
 selection rules at matched density), `sbft bench balance` (the same training run under baseline, SAB,
 DST, SAB+DST and dense attention, on real ranks), `sbft bench accuracy` (the accuracy study) and `sbft bench
-memory` (peak memory of one training step)."""
+memory` (peak memory of one training step), `sbft bench extend` (context extension before and after fine-tuning)."""
 from __future__ import annotations
 
 import json
@@ -353,6 +353,48 @@ def heldout(
     if run is not None:
         (run / "heldout.json").write_text(json.dumps(result, indent=2) + "\n")
         console.print(f"wrote {run / 'heldout.json'}")
+
+
+@bench_app.command("extend")
+@user_errors
+def extend(
+    recipe_path: Path = typer.Argument(Path("recipes/extend-smollm2.yaml"), metavar="RECIPE", help="The extension job."),
+    out: Path = typer.Option(Path("bench_results/extend"), "--out", help="Folder for extend.json and the PNGs."),
+    work: Path = typer.Option(Path("runs/bench-extend"), "--work", help="Training documents, runs and adapters."),
+    sections: str = typer.Option("before,finetune,after", "--sections", help="Sections to run; others in extend.json are kept."),
+    device: str = typer.Option("cuda", "--device", help="cpu or cuda (evaluation; training runs where accelerate puts it)."),
+    quick: bool = typer.Option(False, "--quick", help="The tiny model, 256 native positions trained at 512: the plumbing in seconds."),
+    cpu_plan: bool = typer.Option(False, "--cpu-plan", help="Sizes two CPU cores allow (a few 16K steps, evaluation to 16K)."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Training steps per arm."),
+    eval_lengths: Optional[str] = typer.Option(None, "--eval-lengths", help="Held-out lengths, comma-separated."),
+    passkey_lengths: Optional[str] = typer.Option(None, "--passkey-lengths", help="Passkey prompt lengths, comma-separated."),
+    trials: Optional[int] = typer.Option(None, "--trials", min=1, help="Passkey prompts per (length, depth)."),
+    overrides: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key (e.g. model.path=...)."),
+) -> None:
+    """Context extension: untrained scalings, a dense and a sparse fine-tune on one data order, both evaluated after."""
+    from sparsebalance_ft.bench.extend import ExtendPlan, run_extend_bench
+    from sparsebalance_ft.errors import UserError
+
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device: expected cpu or cuda, got {device!r}")
+    plan = ExtendPlan.make_quick(device) if quick else (ExtendPlan.cpu() if cpu_plan else ExtendPlan(device=device))
+    plan.device = device
+    plan.steps = steps or plan.steps
+    plan.passkey_trials = trials or plan.passkey_trials
+    if eval_lengths:
+        plan.eval_lengths = [int(x) for x in _floats(eval_lengths, "eval-lengths")]
+    if passkey_lengths:
+        plan.passkey_lengths = [int(x) for x in _floats(passkey_lengths, "passkey-lengths")]
+    names = [name.strip() for name in sections.split(",") if name.strip()]
+    result = run_extend_bench(recipe_path, out, work, names, plan, overrides or [],
+                              say=lambda line: console.print(line, highlight=False))
+    summary = result.get("summary", {})
+    for key, value in summary.items():
+        if key != "targets":
+            console.print(f"  {key}: {value:.4f}" if isinstance(value, float) else f"  {key}: {value}", highlight=False)
+    for name, ok in summary.get("targets", {}).items():
+        console.print(f"  target {name}: {'met' if ok else 'MISSED'}", highlight=False)
+    console.print(f"wrote {out / 'extend.json'}")
 
 
 def register(app: typer.Typer) -> None:

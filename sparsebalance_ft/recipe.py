@@ -37,6 +37,63 @@ at 8,192 tokens against 1.06 GiB), while the recompute costs about one more forw
 step). From 4K tokens the memory is worth more than the time; below it, a small model fits either way."""
 
 
+ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
+_YARN_KEYS = ("beta_fast", "beta_slow", "attention_factor")
+_LLAMA3_KEYS = ("low_freq_factor", "high_freq_factor")
+
+
+class RopeScalingConfig(_Section):
+    """How rotary positions stretch past the checkpoint's native length; transformers' own rope initialisation
+    computes the frequencies from these keys (written into the model config's `rope_parameters`)."""
+
+    type: str = Field(..., description="linear (position interpolation, LongLoRA), dynamic (NTK, inference-time), yarn or llama3.")
+    factor: Literal["auto"] | float = Field(
+        "auto", description="Stretch of the native positions; auto: the smallest that covers data.max_seq_len."
+    )
+    original_max_position_embeddings: int | None = Field(
+        None, ge=1, description="Native length the factor refers to; default: the checkpoint's max_position_embeddings."
+    )
+    beta_fast: float | None = Field(None, gt=0, description="yarn: rotations above which frequencies are kept (transformers' default 32).")
+    beta_slow: float | None = Field(None, gt=0, description="yarn: rotations below which frequencies are interpolated (default 1).")
+    attention_factor: float | None = Field(None, gt=0, description="yarn: attention temperature; default 0.1 ln(factor) + 1.")
+    low_freq_factor: float | None = Field(None, gt=0, description="llama3: wavelengths above native / this are interpolated (default 1).")
+    high_freq_factor: float | None = Field(None, gt=0, description="llama3: wavelengths below native / this are kept (default 4).")
+
+    @field_validator("type")
+    @classmethod
+    def _supported_type(cls, value: str) -> str:
+        if value == "longrope":
+            raise ValueError("longrope needs per-dimension factor lists searched for one model; not supported here, "
+                             f"choose one of {', '.join(ROPE_TYPES)}")
+        if value not in ROPE_TYPES:
+            raise ValueError(f"unknown rope scaling type {value!r}; choose one of {', '.join(ROPE_TYPES)}")
+        return value
+
+    @field_validator("factor")
+    @classmethod
+    def _stretches(cls, value: Any) -> Any:
+        if value != "auto" and value <= 1.0:
+            raise ValueError(f"factor must be above 1 (1 is no scaling: remove model.rope_scaling), got {value:g}")
+        return value
+
+    @model_validator(mode="after")
+    def _keys_of_its_type(self) -> "RopeScalingConfig":
+        for keys, owner in ((_YARN_KEYS, "yarn"), (_LLAMA3_KEYS, "llama3")):
+            given = [key for key in keys if getattr(self, key) is not None]
+            if given and self.type != owner:
+                raise ValueError(f"{', '.join(given)} {'is a' if len(given) == 1 else 'are'} {owner} key"
+                                 f"{'' if len(given) == 1 else 's'}; type is {self.type}")
+        low, high = self.llama3_band
+        if self.type == "llama3" and high <= low:
+            raise ValueError(f"high_freq_factor ({high:g}) must be above low_freq_factor ({low:g})")
+        return self
+
+    @property
+    def llama3_band(self) -> tuple[float, float]:
+        """(low_freq_factor, high_freq_factor) with Llama 3.1's values (1, 4) where unset."""
+        return (self.low_freq_factor or 1.0, self.high_freq_factor or 4.0)
+
+
 class ModelConfig(_Section):
     path: str = Field(..., description="Local directory of a Hugging Face causal LM checkpoint, or a hub id (owner/name; needs the network).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -52,6 +109,10 @@ class ModelConfig(_Section):
         description=f"Recompute activations in backward to save memory. auto: on when data.max_seq_len >="
         f" {CHECKPOINTING_FROM_TOKENS:,} tokens, where activations outgrow the weights (docs/recipe.md).",
     )
+    rope_scaling: RopeScalingConfig | None = Field(
+        None, description="Rotary position scaling to read past the native length (see `model.rope_scaling:`)."
+    )
+    rope_theta: float | None = Field(None, gt=0, description="Rotary base replacing the checkpoint's (ProLong-style extension), alone or with scaling.")
 
 
 class LoraConfig(_Section):
@@ -65,6 +126,9 @@ class LoraConfig(_Section):
     modules_to_save: list[str] = Field(
         default_factory=list,
         description="Modules trained in full beside the adapter, e.g. embed_tokens and norms as LongLoRA found necessary.",
+    )
+    train_embeddings_and_norms: bool = Field(
+        False, description="Train the input embeddings and every norm in full beside LoRA (LongLoRA); names found in the model."
     )
 
 
@@ -332,13 +396,33 @@ def _type_name(annotation) -> str:
     return text.replace("|", "\\|")
 
 
+def _nested_section(annotation) -> type[_Section] | None:
+    """The section model inside `Section | None`, for keys that hold a mapping of their own."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, _Section):
+            return candidate
+    return None
+
+
+def _reference_table(title: str, section: type[_Section]) -> list[str]:
+    lines = [f"### `{title}:`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    nested = []
+    for key, item in section.model_fields.items():
+        default = "required" if item.is_required() else (item.default_factory() if item.default_factory else item.default)
+        inner = _nested_section(item.annotation)
+        kind = "mapping (below)" if inner else _type_name(item.annotation)
+        if inner:
+            nested.append((f"{title}.{key}", inner))
+        lines.append(f"| `{key}` | {kind} | `{default}` | {item.description or ''} |")
+    lines.append("")
+    for name, inner in nested:
+        lines += _reference_table(name, inner)
+    return lines
+
+
 def reference_markdown() -> str:
     """The README's recipe reference, generated from the schema (a test keeps the README equal to it)."""
     lines = []
     for section, field in Recipe.model_fields.items():
-        lines += [f"### `{section}:`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
-        for key, item in field.annotation.model_fields.items():
-            default = "required" if item.is_required() else (item.default_factory() if item.default_factory else item.default)
-            lines.append(f"| `{key}` | {_type_name(item.annotation)} | `{default}` | {item.description or ''} |")
-        lines.append("")
+        lines += _reference_table(section, field.annotation)
     return "\n".join(lines)

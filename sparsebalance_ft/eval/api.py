@@ -82,6 +82,7 @@ def load_for_eval(
     """`(model, tokenizer, controller)` ready to generate; the controller is None for dense attention."""
     from ..train.checkpoint import ADAPTER_WEIGHTS, restore_trainable
     from ..train.model import load_model
+    from ..train.rope import check_rope_record, recipe_rope
 
     kind, folder = resolve_checkpoint(checkpoint) if checkpoint is not None else (None, None)
     recipe = eval_recipe(recipe, attention, kind, folder)
@@ -90,6 +91,7 @@ def load_for_eval(
     else:
         model, tokenizer = load_model(recipe, trainable=False)
         if kind == "trainable":
+            check_rope_record(folder, recipe_rope(recipe), "--checkpoint")
             restore_trainable(model, folder / ADAPTER_WEIGHTS)
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()  # plain weights: faster generation, same outputs

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from .rope import RopeSetting, write_rope_record
 
 COMPLETE_MARKER = "COMPLETE"
 ADAPTER_WEIGHTS = "trainable_weights.pt"
@@ -147,7 +148,8 @@ def _prune(output_dir: str | Path, step: int, keep: int) -> None:
 
 
 def save_checkpoint(
-    accelerator, model: torch.nn.Module, output_dir: str | Path, step: int, keep: int, rank_state: dict | None = None
+    accelerator, model: torch.nn.Module, output_dir: str | Path, step: int, keep: int, rank_state: dict | None = None,
+    rope: RopeSetting | None = None,
 ) -> Path:
     final = Path(output_dir) / f"checkpoint-{step}"
     tmp = final.with_name(final.name + ".tmp")
@@ -160,6 +162,7 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         torch.save(trainable_state(model), tmp / ADAPTER_WEIGHTS)
+        write_rope_record(tmp, rope)  # a resume with another rope setting is refused against it
         (tmp / COMPLETE_MARKER).write_text(json.dumps({"step": step, "files": _manifest(tmp)}, indent=1) + "\n")
         if final.exists():
             shutil.rmtree(final)

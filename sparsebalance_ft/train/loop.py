@@ -23,10 +23,11 @@ from ..recipe import Recipe, describe_setup, dump_recipe
 from .balancing import build_balancing
 from .checkpoint import choose_checkpoint, load_checkpoint, save_checkpoint
 from .metrics import MetricsWriter, RankRecord, gather_records, step_metrics
-from .model import check_model_dir, load_model, load_tokenizer, resolve_mixed_precision
+from .model import check_model_dir, full_training_summary, load_model, load_tokenizer, resolve_mixed_precision
 from .output_dir import RunLock, check_output_dir, clear_output_dir
 from .optim import build_optimizer, build_scheduler
 from .progress import StepProgress
+from .rope import check_rope_record, recipe_rope, write_rope_record
 from .step import run_local_step
 from .trackers import tracker_names
 from .validation import build_validation
@@ -159,7 +160,12 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one "Loading weights" bar, not one per rank
+    rope = recipe_rope(recipe)
     model, _ = load_model(recipe)
+    if accelerator.is_main_process:
+        for line in (rope and rope.describe(), full_training_summary(model)):
+            if line:
+                console.print(line, highlight=False)
     model.to(accelerator.device)
     params = [p for p in model.parameters() if p.requires_grad]
     _broadcast_trainable(params)
@@ -182,6 +188,7 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
             if accelerator.is_main_process:
                 console.print(f"resume: no checkpoint in {out}, starting from scratch")
         else:
+            check_rope_record(checkpoint, rope, "--resume")
             balancing.load_state_dict(load_checkpoint(accelerator, model, checkpoint))
             if accelerator.is_main_process:
                 console.print(f"resumed from {checkpoint} at step {state.step}")
@@ -241,13 +248,15 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
             every = recipe.training.checkpoint_every
             if every and (state.step % every == 0 or state.step == total_steps):
                 save_checkpoint(
-                    accelerator, model, out, state.step, recipe.training.keep_checkpoints, rank_state=balancing.state_dict()
+                    accelerator, model, out, state.step, recipe.training.keep_checkpoints, rank_state=balancing.state_dict(),
+                    rope=rope,
                 )
 
     adapter_dir = out / "adapter"
     if accelerator.is_main_process and not (finished_before and adapter_dir.is_dir()):
         accelerator.unwrap_model(model).save_pretrained(adapter_dir)
         tokenizer.save_pretrained(adapter_dir)
+        write_rope_record(adapter_dir, rope)
     summary = balancing.service.warnings_summary() if balancing.service is not None else None
     if summary:
         log.warning(summary)

@@ -9,6 +9,7 @@ import torch
 from ..errors import UserError
 from ..hub import hub_failure, is_hub_id
 from ..recipe import Recipe
+from .rope import apply_rope, check_rope_record, load_model_config, recipe_rope, resolve_rope, rope_parameters_of
 
 
 class ModelLoadError(UserError):
@@ -35,23 +36,25 @@ _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.jso
 
 
 def check_model_dir(recipe: Recipe) -> None:
-    """One line naming model.path when its folder is no loadable checkpoint (no config, no weights),
-    and when data.max_seq_len exceeds the positions the model was trained for without rope scaling."""
+    """One line naming model.path when its folder is no loadable checkpoint (no config, no weights), when the
+    recipe's rope setting cannot apply to it, and when data.max_seq_len exceeds the positions it reads."""
     path = Path(recipe.model.path)
     _require_checkpoint(path, "model.path")
     if not any(any(path.glob(pattern)) for pattern in _WEIGHT_FILES):
         raise ModelLoadError(f"model.path: no weights in {path} (expected model.safetensors or pytorch_model.bin)")
-    config = json.loads((path / "config.json").read_text())
-    positions = config.get("max_position_embeddings")
+    config = load_model_config(str(path))
+    setting = resolve_rope(recipe, config)
+    if setting is not None and setting.parameters.get("rope_type") == "dynamic":
+        return  # dynamic scaling stretches to any length, measured against the native positions
+    positions = setting.max_position_embeddings if setting else getattr(config, "max_position_embeddings", None)
     if positions and recipe.data.max_seq_len > positions:
-        rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-        scaled = rope.get("rope_type", rope.get("type", "default")) not in (None, "default")
+        rope = rope_parameters_of(config) or {}
         where = f"data.max_seq_len ({recipe.data.max_seq_len}) is above model.path's max_position_embeddings ({positions})"
-        if not scaled:
-            raise ModelLoadError(f"{where}; lower it, or configure rope scaling in {path / 'config.json'}")
+        if rope.get("rope_type", "default") == "default":
+            raise ModelLoadError(f"{where}; lower it, or extend the model with model.rope_scaling (e.g. type: yarn)")
         import warnings
 
-        warnings.warn(f"{where}; relying on its rope scaling ({rope.get('rope_type', rope.get('type'))})", stacklevel=2)
+        warnings.warn(f"{where}; relying on its rope scaling ({rope['rope_type']})", stacklevel=2)
 
 
 def _require_checkpoint(path: Path, key: str) -> None:
@@ -79,7 +82,8 @@ def load_tokenizer(recipe: Recipe):
 
 
 def load_base_model(recipe: Recipe):
-    """The base model with the recipe's dtype and attention, registering `sparsebalance` first if asked."""
+    """The base model with the recipe's dtype, attention and rope setting (written into its config before it is
+    built, so transformers' own rotary initialisation computes it), registering `sparsebalance` first if asked."""
     from transformers import AutoModelForCausalLM
 
     path = recipe.model.path
@@ -90,8 +94,10 @@ def load_base_model(recipe: Recipe):
 
         register_sparse_attention()
     try:
+        config = load_model_config(path)
+        apply_rope(config, resolve_rope(recipe, config))
         return AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(recipe.model.dtype), attn_implementation=recipe.model.attn_implementation
+            path, config=config, dtype=resolve_dtype(recipe.model.dtype), attn_implementation=recipe.model.attn_implementation
         )
     except OSError as error:
         if is_hub_id(path):
@@ -107,20 +113,57 @@ def apply_lora(model, recipe: Recipe, adapter_dir: str | Path | None = None, tra
         adapter_dir = Path(adapter_dir)
         if not (adapter_dir / "adapter_config.json").is_file():
             raise ModelLoadError(f"{adapter_dir}: no LoRA adapter here (adapter_config.json missing)")
+        check_rope_record(adapter_dir, recipe_rope(recipe), "adapter")
         return PeftModel.from_pretrained(model, adapter_dir, is_trainable=trainable)
     lora = recipe.lora
+    full = list(lora.modules_to_save) + (embedding_and_norm_modules(model) if lora.train_embeddings_and_norms else [])
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
-        modules_to_save=lora.modules_to_save or None,
+        modules_to_save=full or None,
+        # a head tied to the embeddings (SmolLM2) follows the trained embedding copy, in training and in the merge
+        ensure_weight_tying=_trains_tied_embeddings(model, full),
         task_type="CAUSAL_LM",
     )
     try:
         return get_peft_model(model, config)
     except ValueError as error:
         raise ModelLoadError(f"lora.target_modules: {str(error).splitlines()[0]}") from None
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    """A normalisation layer of any family (LayerNorm, LlamaRMSNorm, Qwen2RMSNorm, ...): a leaf named *Norm."""
+    return "Norm" in type(module).__name__ and not any(True for _ in module.children())
+
+
+def embedding_and_norm_modules(model: torch.nn.Module) -> list[str]:
+    """Full names of the input embedding and every norm of the loaded model, as LongLoRA trains them in full.
+
+    Full dotted names, because peft matches modules_to_save by suffix: `norm` alone would also match
+    `input_layernorm`, and a leaf name could name an unrelated module in another family."""
+    embedding = model.get_input_embeddings()
+    return [name for name, module in model.named_modules() if name and (module is embedding or _is_norm(module))]
+
+
+def _trains_tied_embeddings(model: torch.nn.Module, full: list[str]) -> bool:
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    names = {name for name, module in model.named_modules() if module is embedding}
+    return tied and any(name in names for name in full)
+
+
+def full_training_summary(model: torch.nn.Module) -> str | None:
+    """Parameters trained in full beside LoRA (peft's modules_to_save copies) and the memory they add:
+    weights, gradients and two AdamW moments; None when there are none."""
+    params = {id(p): p for name, p in model.named_parameters() if p.requires_grad and ".modules_to_save." in name}
+    if not params:
+        return None
+    count = sum(p.numel() for p in params.values())
+    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    mib = 4 * weight_bytes / 2**20
+    return (f"trained in full beside LoRA: {count:,} parameters ({mib:.0f} MiB with gradients and AdamW state)")
 
 
 def load_model(recipe: Recipe, adapter_dir: str | Path | None = None, trainable: bool = True):

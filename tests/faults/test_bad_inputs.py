@@ -107,3 +107,32 @@ def test_a_second_run_on_a_dir_in_use(write_recipe, tmp_path, nproc):
     (tmp_path / "run" / ".sbft.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
     line = one_error_line(run_sbft("train", write_recipe(), "--resume", "--nproc", nproc))
     assert f"is in use by another sbft train (pid {os.getpid()} on {socket.gethostname()})" in line
+
+
+def _gpt2_dir(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path / "gpt2")
+    return tmp_path / "gpt2"
+
+
+ROPE_CASES = {
+    "unknown-type": ({"rope_scaling": {"type": "ntk"}}, "model.rope_scaling.type: unknown rope scaling type 'ntk'"),
+    "factor-1": ({"rope_scaling": {"type": "linear", "factor": 1}}, "model.rope_scaling.factor: factor must be above 1"),
+    "factor-too-small": ({"rope_scaling": {"type": "yarn", "factor": 1.5}},
+                         "factor: 1.5 covers 384 positions (256 native x 1.5), below data.max_seq_len (512); use factor 2 or auto"),
+    "theta-0": ({"rope_theta": 0}, "model.rope_theta: Input should be greater than 0"),
+    "no-rotary": ({"rope_scaling": {"type": "linear"}}, "has no rotary position embeddings (model_type gpt2)"),
+    "yarn-key-on-linear": ({"rope_scaling": {"type": "linear", "beta_fast": 8}},
+                           "model.rope_scaling: beta_fast is a yarn key; type is linear"),
+}
+
+
+@pytest.mark.slow  # each message is also checked in-process by tests/train/test_rope.py
+@pytest.mark.parametrize("nproc", RANKS)
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_a_bad_rope_setting(write_recipe, tiny_model_dir, tmp_path, case, nproc):
+    keys, message = ROPE_CASES[case]
+    model = _gpt2_dir(tmp_path) if case == "no-rotary" else _model_copy(tiny_model_dir, tmp_path, max_position_embeddings=256)
+    line = one_error_line(run_sbft("train", write_recipe(model={"path": str(model), **keys}), "--nproc", nproc))
+    assert message in line
