@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..errors import UserError
 from .sharding import SHARDED_STATE_DIR, gather_trainable_state, is_sharded, load_sharded_state, save_sharded_state
@@ -135,14 +136,15 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def save_adapter(accelerator, model: torch.nn.Module, adapter_dir: Path, tokenizer) -> None:
+def save_adapter(model: torch.nn.Module, adapter_dir: Path, tokenizer, is_main: bool) -> None:
     """The run's final adapter (or, without LoRA, model) as `save_pretrained` writes it; every rank must
     call it. A sharded model's tensors are gathered whole first: a rank's slice is never saved."""
     state = gather_trainable_state(model) if is_sharded(model) else None
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(adapter_dir, state_dict=state)
+    if is_main:
+        model.save_pretrained(adapter_dir, state_dict=state)
         tokenizer.save_pretrained(adapter_dir)
-    accelerator.wait_for_everyone()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def _prune(output_dir: str | Path, step: int, keep: int) -> None:

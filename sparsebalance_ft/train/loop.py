@@ -159,8 +159,6 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
         hf_logging.disable_progress_bar()  # one "Loading weights" bar, not one per rank
     model, _ = load_model(recipe)
     sharded = sharding_active(recipe, world)
-    if recipe.training.sharding == "fsdp" and not sharded and accelerator.is_main_process:
-        console.print("note: training.sharding: fsdp on one rank has nothing to shard over: training unsharded")
     if not sharded:
         model.to(accelerator.device)
     _broadcast_trainable([p for p in model.parameters() if p.requires_grad])
@@ -191,6 +189,8 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
             balancing.load_state_dict(load_checkpoint(accelerator, model, checkpoint, optimizer))
             if accelerator.is_main_process:
                 console.print(f"resumed from {checkpoint} at step {state.step}")
+    if recipe.training.sharding == "fsdp" and not sharded and accelerator.is_main_process:
+        console.print("note: training.sharding: fsdp on one rank has nothing to shard over: training unsharded")
     finished_before = bool(resume) and state.step >= total_steps
     writer = MetricsWriter(accelerator, out, resume_step=state.step)
     accelerator.init_trackers("sbft", config=_tracker_config(recipe))  # no-op with report_to: none
@@ -258,7 +258,7 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
 
     adapter_dir = out / "adapter"
     if not (finished_before and adapter_dir.is_dir()):
-        save_adapter(accelerator, model, adapter_dir, tokenizer)
+        save_adapter(model, adapter_dir, tokenizer, accelerator.is_main_process)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {
