@@ -139,10 +139,10 @@ def gather_trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=options)
 
 
-def _sharded_options():
+def _sharded_options(strict: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(ignore_frozen_params=True)
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
 
 
 def save_sharded_state(model: torch.nn.Module, optimizer, folder: Path) -> None:
@@ -162,5 +162,7 @@ def load_sharded_state(model: torch.nn.Module, optimizer, folder: Path) -> None:
     weights, optim = get_state_dict(model, optimizer, options=_sharded_options())
     state = {"model": weights, "optimizer": optim}
     dcp.load(state, checkpoint_id=str(folder))
+    # not strict: the frozen weights are not in it by design (dcp.load above already failed on any
+    # trainable tensor the checkpoint lacks)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=_sharded_options())
+                   options=_sharded_options(strict=False))
