@@ -225,24 +225,28 @@ def memory(
     cap_gib: float = typer.Option(12.0, min=0.0, help="Stop a configuration once it holds more (CPU); 0: no cap."),
     timeout: float = typer.Option(3600.0, min=1.0, help="Seconds one configuration may take."),
     out: Path = typer.Option(Path("bench_results/memory/memory.json"), "--out", help="Results as JSON."),
-    project: bool = typer.Option(False, "--project", help="Print the accounting's projection for Llama-3-8B with LoRA; run nothing."),
+    project: bool = typer.Option(False, "--project", help="Print the accounting's projection for Llama-3-8B and 70B with LoRA; run nothing."),
+    shards: str = typer.Option("1", "--shards", help="With --project: rank counts the model is sharded over (training.sharding: fsdp), e.g. 1,8."),
     mmap_threshold: int = typer.Option(0, min=0, help="glibc MALLOC_MMAP_THRESHOLD_ in each process (e.g. 65536: freed blocks leave the RSS); 0: glibc's default."),
     workload: str = typer.Option("train", help="train: the loss alone and the whole model; selection: one layer's block selection."),
     selection_tokens: str = typer.Option("16384,32768,65536", help="Token counts for --workload selection."),
 ) -> None:
     """Peak memory of one training step (loss alone; whole model), or of one layer's block selection
     (--workload selection), each configuration in a fresh process."""
-    from sparsebalance_ft.bench.memory import (GIB, default_cases, projection_rows, result_row, run_memory_bench,
-                                               selection_cases, selection_row)
+    from sparsebalance_ft.bench.memory import (GIB, LLAMA3_8B, LLAMA3_70B, default_cases, projection_rows, result_row,
+                                               run_memory_bench, selection_cases, selection_row)
 
     if project:
-        table = Table(title="projected peak, Llama-3-8B bf16 + LoRA r=8 (GB)")
-        columns = ("tokens", "checkpointing", "loss", "weights", "kept_activations", "logits", "layer_backward", "total")
-        for col in columns:
-            table.add_column(col, justify="right")
-        for row in projection_rows():
-            table.add_row(*(str(row[c]) for c in columns))
-        console.print(table)
+        columns = ("tokens", "shards", "checkpointing", "loss", "weights", "gathered", "kept_activations", "logits",
+                   "layer_backward", "total")
+        for shape in (LLAMA3_8B, LLAMA3_70B):
+            table = Table(title=f"projected peak per rank, {shape.name} + LoRA r=8 (GB)")
+            for col in columns:
+                table.add_column(col, justify="right")
+            for n in [int(x) for x in _floats(shards, "shards")]:
+                for row in projection_rows(shape, shards=n):
+                    table.add_row(*(str(row[c]) for c in columns))
+            console.print(table)
         return
 
     def ints(text: str, name: str) -> list[int]:

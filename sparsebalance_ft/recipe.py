@@ -197,6 +197,15 @@ class TrainingConfig(_Section):
         1800, ge=1, description="Seconds a rank waits in a collective for the others before the run fails (a hung rank)."
     )
 
+    sharding: Literal["none", "fsdp"] = Field(
+        "none", description="`fsdp`: shard the model, gradients and optimizer state over the ranks (FSDP2, each decoder layer and the root); see docs/sharding.md."
+    )
+    fsdp_reshard_after_forward: bool = Field(
+        True, description="With sharding: fsdp, free each layer's gathered parameters after its forward (less memory, one more all-gather in backward)."
+    )
+    fsdp_cpu_offload: bool = Field(
+        False, description="With sharding: fsdp, keep the parameter shards, gradients and optimizer state in CPU memory between uses."
+    )
     loss: Literal["auto", "full", "chunked", "fused"] = Field(
         "auto", description="Next-token loss: full logits, chunked through the LM head, or fused (liger-kernel, CUDA); auto is fused where available, else chunked."
     )
@@ -236,6 +245,10 @@ class Recipe(_Section):
             )
         if self.training.eval_every is not None and self.data.eval_path is None and self.data.eval_split is None:
             raise ValueError("training.eval_every needs validation data: set data.eval_path or data.eval_split")
+        if self.training.sharding == "fsdp" and self.training.mixed_precision == "fp16":
+            raise ValueError(
+                "training.sharding: fsdp computes in bf16 or float32: set training.mixed_precision to bf16, no or auto"
+            )
         try:
             self.balance.check_default_budget(self.sparsity.budget)
         except UserError as error:

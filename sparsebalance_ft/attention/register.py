@@ -135,6 +135,11 @@ def bind_controller(model: torch.nn.Module, controller) -> int:
     return n
 
 
+def bound_attention_modules(model: torch.nn.Module, controller) -> list[torch.nn.Module]:
+    """The attention modules of `model` that `bind_controller` pointed at `controller`, in layer order."""
+    return [m for m in model.modules() if getattr(m, CONTROLLER_ATTR, None) is controller]
+
+
 def in_backward() -> bool:
     """True while autograd runs a backward (e.g. gradient-checkpoint recomputation): not a new forward."""
     try:

@@ -111,7 +111,13 @@ class LayerTuner:
     def finish_step(self) -> None:
         """After this rank's last real micro-batch: join the exchanges it has no work for."""
         while self._done < self._expected:
-            self._exchange(np.zeros(3))
+            self.join_exchange()
+
+    def join_exchange(self) -> None:
+        """Take part in one layer's exchange with no work (absorbing nothing): for a micro-batch this rank
+        lacks, either after its last one (`finish_step`) or where the layer runs (a sharded model's padding
+        forward, whose layers gather their weights between the exchanges: see train/sharding.py)."""
+        self._exchange(np.zeros(3))
 
     def pop_stats(self) -> dict[str, float]:
         stats = {"layer_exchange_seconds": self.exchange_seconds, "layer_moved_share":

@@ -283,6 +283,13 @@ class Shape:
 
 SMOLLM2 = Shape("SmolLM2-135M (float32)", 30, 576, 9, 3, 64, 1536, 49_152, 134_515_008, 4)
 LLAMA3_8B = Shape("Llama-3-8B (bfloat16)", 32, 4096, 32, 8, 128, 14_336, 128_256, 8_030_261_248, 2)
+LLAMA3_70B = Shape("Llama-3-70B (bfloat16)", 80, 8192, 64, 8, 128, 28_672, 128_256, 70_553_706_496, 2)
+
+
+def layer_parameters(shape: Shape) -> int:
+    """One decoder layer's weights: attention projections, the gated MLP, two norms."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    return shape.hidden * (2 * q + 2 * kv) + 3 * shape.hidden * shape.intermediate + 2 * shape.hidden
 
 
 def lora_parameters(shape: Shape, r: int = 8) -> int:
@@ -297,7 +304,7 @@ def selection_scores_bytes(shape: Shape, tokens: int, block: int = 64) -> float:
 
 
 def projected_peak(shape: Shape, tokens: int, checkpointing: bool, loss: str, attention: str = "sparse",
-                   block: int = 64) -> dict[str, float]:
+                   block: int = 64, shards: int = 1) -> dict[str, float]:
     """Bytes of one LoRA training step's peak, by component, and their `total`.
 
     - a decoder layer keeps ~9 hidden-sized, 2 key/value-sized and 4 intermediate-sized tensors per
@@ -308,7 +315,10 @@ def projected_peak(shape: Shape, tokens: int, checkpointing: bool, loss: str, at
       `tokens x vocab` each; chunked: four float32 tensors of one chunk;
     - sparse attention's selection (as of issue 12 item 2 still open): per layer, float32 block scores
       for every query head, `heads x (tokens / block)^2`, transient;
-    - the loss's backward runs before the layers', so logits and the layer recompute do not coexist.
+    - the loss's backward runs before the layers', so logits and the layer recompute do not coexist;
+    - sharded over `shards` ranks (`training.sharding: fsdp`), each rank keeps 1/shards of the weights
+      and of the LoRA state, and holds whole ("gathered") what is being computed: the root's embedding
+      and head (for the loss) and two decoder layers (the one running and the next one's gather).
     """
     d = shape.dtype_bytes
     per_layer = tokens * d * (9 * shape.hidden + 2 * shape.kv_heads * shape.head_dim + 4 * shape.intermediate)
@@ -322,15 +332,17 @@ def projected_peak(shape: Shape, tokens: int, checkpointing: bool, loss: str, at
         from ..train.loss import CHUNK_LOGIT_BYTES
 
         logits = 4 * CHUNK_LOGIT_BYTES
+    root = shape.parameters - shape.layers * layer_parameters(shape)  # embedding, head, final norm
     parts = {
-        "weights": shape.parameters * d,
-        "lora_state": lora_parameters(shape) * 16,  # float32 weights, gradients and two AdamW moments
+        "weights": shape.parameters * d / shards,
+        "gathered": (root + 2 * layer_parameters(shape)) * d if shards > 1 else 0.0,
+        "lora_state": lora_parameters(shape) * 16 / shards,  # float32 weights, gradients and two AdamW moments
         "kept_activations": kept,
         "hidden_and_grad": 2 * tokens * shape.hidden * d,
         "logits": logits,
         "layer_backward": backward,
     }
-    parts["total"] = (parts["weights"] + parts["lora_state"] + kept + parts["hidden_and_grad"]
+    parts["total"] = (parts["weights"] + parts["gathered"] + parts["lora_state"] + kept + parts["hidden_and_grad"]
                       + max(logits, backward))
     return parts
 
@@ -408,13 +420,14 @@ def selection_row(result: dict) -> dict:
     return row
 
 
-def projection_rows(shape: Shape = LLAMA3_8B, tokens: tuple[int, ...] = (32_768, 65_536, 131_072)) -> list[dict]:
-    """The accounting's peak for `shape` with LoRA: the target and each one-change ablation, in GB."""
+def projection_rows(shape: Shape = LLAMA3_8B, tokens: tuple[int, ...] = (32_768, 65_536, 131_072),
+                    shards: int = 1) -> list[dict]:
+    """The accounting's per-rank peak for `shape` with LoRA: the target and each one-change ablation, in GB."""
     rows = []
     for t in tokens:
         for ckpt, loss in ((True, "chunked"), (True, "full"), (False, "chunked")):
-            parts = projected_peak(shape, t, ckpt, loss)
-            rows.append({"tokens": t, "checkpointing": ckpt, "loss": loss,
+            parts = projected_peak(shape, t, ckpt, loss, shards=shards)
+            rows.append({"tokens": t, "shards": shards, "checkpointing": ckpt, "loss": loss,
                          **{k: round(v / 1e9, 1) for k, v in parts.items()}})
     return rows
 

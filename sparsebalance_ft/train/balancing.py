@@ -12,6 +12,7 @@ and all calls are local no-ops.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,6 +96,30 @@ class Balancing:
         """After this rank's last micro-batch, before the gradient exchange (all ranks must call it)."""
         if self.layer_tuner is not None:
             self.layer_tuner.finish_step()
+
+    @contextmanager
+    def padding_forward(self, model):
+        """Around a sharded model's padding forward (a micro-batch this rank lacks): each sparse layer joins
+        its exchange with zero work when it runs, in the same order as the other ranks' collectives (the
+        layers' weight gathers come between exchanges, so joining them all afterwards would deadlock)."""
+        tuner = self.layer_tuner
+        if tuner is None:
+            yield
+            return
+        from ..attention.register import bound_attention_modules, in_backward
+
+        def join(module, args):
+            if not in_backward():  # a gradient-checkpoint recompute exchanges nothing
+                tuner.join_exchange()
+
+        modules = [m for m in bound_attention_modules(model, self.controller)
+                   if int(m.layer_idx) not in self.controller.dense_layers]
+        handles = [m.register_forward_pre_hook(join) for m in modules]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def after_step(self, compute_time: float, wait_time: float) -> AttentionSummary:
         """Feed the attention's report to the statistics (all ranks must call it) and summarise it."""

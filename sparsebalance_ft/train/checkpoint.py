@@ -7,6 +7,11 @@ file's size, and renames the folder to `checkpoint-N`. A crash mid-write therefo
 `.tmp` folder, which is ignored; a file truncated later is found by its size before anything
 loads, and resuming falls back to the newest intact checkpoint.
 
+A sharded model (`training.sharding: fsdp`) adds `sharded/`, where every rank writes its shards
+of the trainable weights and their optimizer state with torch distributed checkpoint (which
+reshards on load, so a run may resume on another rank count); `trainable_weights.pt` is then
+gathered whole, so evaluation reads it as from any run.
+
 Checkpoints assume a filesystem that every rank shares (rank 0 writes the marker after every
 rank has written its files into the same folder).
 """
@@ -19,9 +24,11 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..errors import UserError
 from .rope import RopeSetting, write_rope_record
+from .sharding import SHARDED_STATE_DIR, gather_trainable_state, is_sharded, load_sharded_state, save_sharded_state
 
 COMPLETE_MARKER = "COMPLETE"
 ADAPTER_WEIGHTS = "trainable_weights.pt"
@@ -115,29 +122,30 @@ def choose_checkpoint(output_dir: str | Path, requested: str | Path | None = Non
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Only what trains: peft's adapter state (LoRA and modules_to_save) keeps a checkpoint of an 8B
-    model small. Without LoRA (full fine-tuning) peft has no say, so it is every trainable parameter."""
+    model small. Without LoRA (full fine-tuning) peft has no say, so it is every trainable parameter.
+
+    A sharded model's tensors are gathered whole: every rank must call it, and only rank 0 gets them."""
     from peft import PeftModel, get_peft_model_state_dict
 
+    if is_sharded(model):
+        full = gather_trainable_state(model)
+        if not full:  # not rank 0
+            return {}
+        return get_peft_model_state_dict(model, state_dict=full) if isinstance(model, PeftModel) else full
     if isinstance(model, PeftModel):
         return {name: t.detach().cpu().clone() for name, t in get_peft_model_state_dict(model).items()}
     return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def restore_trainable(model: torch.nn.Module, path: Path) -> None:
-    """Load weights saved by `trainable_state` back into `model`, refusing names it lacks."""
-    from peft import PeftModel, set_peft_model_state_dict
-
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(model, PeftModel):
-        unexpected = set_peft_model_state_dict(model, saved).unexpected_keys
-    else:
-        unexpected = [name for name in saved if name not in dict(model.named_parameters())]
-        if not unexpected:
-            model.load_state_dict(saved, strict=False)
-    if unexpected:
-        raise CheckpointMismatchError(
-            f"{path}: holds weights the recipe's model lacks (e.g. {unexpected[0]}); check the lora settings"
-        )
+def save_adapter(model: torch.nn.Module, adapter_dir: Path, tokenizer, is_main: bool) -> None:
+    """The run's final adapter (or, without LoRA, model) as `save_pretrained` writes it; every rank must
+    call it. A sharded model's tensors are gathered whole first: a rank's slice is never saved."""
+    state = gather_trainable_state(model) if is_sharded(model) else None
+    if is_main:
+        model.save_pretrained(adapter_dir, state_dict=state)
+        tokenizer.save_pretrained(adapter_dir)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def _prune(output_dir: str | Path, step: int, keep: int) -> None:
@@ -150,7 +158,9 @@ def _prune(output_dir: str | Path, step: int, keep: int) -> None:
 def save_checkpoint(
     accelerator, model: torch.nn.Module, output_dir: str | Path, step: int, keep: int, rank_state: dict | None = None,
     rope: RopeSetting | None = None,
+    optimizer=None,
 ) -> Path:
+    """`optimizer`: needed for a sharded model, whose optimizer is not accelerate's to save."""
     final = Path(output_dir) / f"checkpoint-{step}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process and tmp.exists():
@@ -159,9 +169,12 @@ def save_checkpoint(
     accelerator.save_state(str(tmp))
     tmp.mkdir(parents=True, exist_ok=True)
     torch.save(rank_state or {}, tmp / rank_state_file(accelerator.process_index))
+    if is_sharded(model):
+        save_sharded_state(model, optimizer, tmp / SHARDED_STATE_DIR)
+    weights = trainable_state(model)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        torch.save(trainable_state(model), tmp / ADAPTER_WEIGHTS)
+        torch.save(weights, tmp / ADAPTER_WEIGHTS)
         write_rope_record(tmp, rope)  # a resume with another rope setting is refused against it
         (tmp / COMPLETE_MARKER).write_text(json.dumps({"step": step, "files": _manifest(tmp)}, indent=1) + "\n")
         if final.exists():
@@ -179,18 +192,32 @@ def _require_visible(path: Path, rank: int) -> None:
         )
 
 
-def load_checkpoint(accelerator, model: torch.nn.Module, path: Path) -> dict:
+def _require_same_sharding(path: Path, sharded: bool) -> None:
+    saved = (path / SHARDED_STATE_DIR).is_dir()
+    if saved != sharded:
+        was, now = ("sharded", "unsharded") if saved else ("unsharded", "sharded")
+        raise CheckpointError(
+            f"{path} was saved by a {was} run and this run is {now}: resume with the training.sharding it was"
+            " saved with (fsdp shards over two ranks or more)"
+        )
+
+
+def load_checkpoint(accelerator, model: torch.nn.Module, path: Path, optimizer=None) -> dict:
     """Restore optimizer, scheduler, RNG and registered objects, then the trainable weights; returns
     this rank's own state (its file, or rank 0's when the run had fewer ranks before)."""
     rank = accelerator.process_index
     _require_visible(path, rank)
+    _require_same_sharding(path, is_sharded(model))
     own = path / rank_state_file(rank)
     if not own.is_file():
         warnings.warn(f"{own.name} missing (the run had fewer ranks): this rank starts from rank 0's state", stacklevel=2)
         own = path / rank_state_file(0)
     try:
         accelerator.load_state(str(path))
-        restore_trainable(model, path / ADAPTER_WEIGHTS)
+        if is_sharded(model):
+            load_sharded_state(model, optimizer, path / SHARDED_STATE_DIR)
+        else:
+            restore_trainable(model, path / ADAPTER_WEIGHTS)
         return torch.load(own, map_location="cpu", weights_only=False) if own.is_file() else {}
     except (RuntimeError, EOFError, OSError, ValueError, KeyError) as error:
         if isinstance(error, UserError):

@@ -21,13 +21,15 @@ import torch.distributed as dist
 from ..data import load_corpus, pack_documents
 from ..recipe import Recipe, describe_setup, dump_recipe
 from .balancing import build_balancing
-from .checkpoint import choose_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import choose_checkpoint, load_checkpoint, save_adapter, save_checkpoint
+from .memory_report import report_memory
 from .metrics import MetricsWriter, RankRecord, gather_records, step_metrics
 from .model import check_model_dir, full_training_summary, load_model, load_tokenizer, resolve_mixed_precision
 from .output_dir import RunLock, check_output_dir, clear_output_dir
 from .optim import build_optimizer, build_scheduler
 from .progress import StepProgress
 from .rope import check_rope_record, recipe_rope, write_rope_record
+from .sharding import check_launch, clip_grad_norm_, shard_model, sharding_active
 from .step import run_local_step
 from .trackers import tracker_names
 from .validation import build_validation
@@ -67,7 +69,8 @@ def make_accelerator(recipe: Recipe):
 
 
 def preflight(recipe: Recipe, resume: bool | str | Path = False, overwrite: bool = False) -> None:
-    """Every check that needs no process group: precision, model folder, output folder (one line each)."""
+    """Every check that needs no process group: launcher, precision, model folder, output folder (one line each)."""
+    check_launch(recipe)
     resolve_mixed_precision(recipe.training.mixed_precision)
     check_model_dir(recipe)
     check_output_dir(recipe.training.output_dir, resume, overwrite)
@@ -166,9 +169,13 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
         for line in (rope and rope.describe(), full_training_summary(model)):
             if line:
                 console.print(line, highlight=False)
-    model.to(accelerator.device)
+    sharded = sharding_active(recipe, world)
+    if not sharded:
+        model.to(accelerator.device)
+    _broadcast_trainable([p for p in model.parameters() if p.requires_grad])
+    if sharded:  # after the broadcast: each rank keeps its slice of rank 0's weights
+        shard_model(model, recipe, accelerator.mixed_precision, accelerator.device)
     params = [p for p in model.parameters() if p.requires_grad]
-    _broadcast_trainable(params)
 
     balancing = build_balancing(recipe, model, corpus.lengths, world, documents=corpus)
     steps_per_epoch = balancing.sampler.steps_per_epoch
@@ -176,7 +183,9 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
         raise RuntimeError("the dataset has fewer documents than one step needs; lower training.docs_per_rank")
     total_steps = recipe.training.max_steps or recipe.training.epochs * steps_per_epoch
 
-    optimizer = accelerator.prepare(build_optimizer(recipe.training, params))
+    optimizer = build_optimizer(recipe.training, params)
+    if not sharded:  # sharded optimizer state is saved by each rank (checkpoint.py), not by accelerate's rank 0
+        optimizer = accelerator.prepare(optimizer)
     scheduler = build_scheduler(recipe.training, optimizer, total_steps)
     accelerator.register_for_checkpointing(scheduler)
     state = TrainState()
@@ -189,14 +198,17 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
                 console.print(f"resume: no checkpoint in {out}, starting from scratch")
         else:
             check_rope_record(checkpoint, rope, "--resume")
-            balancing.load_state_dict(load_checkpoint(accelerator, model, checkpoint))
+            balancing.load_state_dict(load_checkpoint(accelerator, model, checkpoint, optimizer))
             if accelerator.is_main_process:
                 console.print(f"resumed from {checkpoint} at step {state.step}")
+    if recipe.training.sharding == "fsdp" and not sharded and accelerator.is_main_process:
+        console.print("note: training.sharding: fsdp on one rank has nothing to shard over: training unsharded")
     finished_before = bool(resume) and state.step >= total_steps
     writer = MetricsWriter(accelerator, out, resume_step=state.step)
     accelerator.init_trackers("sbft", config=_tracker_config(recipe))  # no-op with report_to: none
 
     model.train()
+    start_step = state.step
     started = time.perf_counter()
     last_loss = math.nan
     progress = StepProgress(total_steps, state.step, enabled=accelerator.is_main_process, console=console)
@@ -208,12 +220,18 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
             mine = plan.micro_batches[rank]
             decision = balancing.before_step(mine)
             batches = [pack_documents(corpus, mb) for mb in mine if mb]
+            padding = len(mine) - len(batches) if sharded else 0
             global_targets = int(sum(corpus.target_tokens[i] for ranks in plan.micro_batches for mb in ranks for i in mb))
             local = run_local_step(accelerator, model, batches, global_targets, params, recipe.training.loss,
-                                   after_micro_batches=balancing.finish_micro_batches)
-            if recipe.training.max_grad_norm:
+                                   after_micro_batches=balancing.finish_micro_batches, padding=padding,
+                                   padding_context=lambda: balancing.padding_forward(model))
+            if recipe.training.max_grad_norm and sharded:
+                clip_grad_norm_(params, recipe.training.max_grad_norm)
+            elif recipe.training.max_grad_norm:
                 accelerator.clip_grad_norm_(params, recipe.training.max_grad_norm)
             optimizer.step()
+            if state.step == start_step:  # gradients and optimizer state exist now, until zero_grad
+                report_memory(model, optimizer, accelerator.device, out, accelerator.is_main_process, console.print)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             attention = balancing.after_step(local.compute_time, local.wait_time)
@@ -247,16 +265,14 @@ def _train(recipe: Recipe, accelerator, resume: bool | str | Path, overwrite: bo
 
             every = recipe.training.checkpoint_every
             if every and (state.step % every == 0 or state.step == total_steps):
-                save_checkpoint(
-                    accelerator, model, out, state.step, recipe.training.keep_checkpoints, rank_state=balancing.state_dict(),
-                    rope=rope,
-                )
+                save_checkpoint(accelerator, model, out, state.step, recipe.training.keep_checkpoints,
+                                rank_state=balancing.state_dict(), rope=rope, optimizer=optimizer)
 
     adapter_dir = out / "adapter"
-    if accelerator.is_main_process and not (finished_before and adapter_dir.is_dir()):
-        accelerator.unwrap_model(model).save_pretrained(adapter_dir)
-        tokenizer.save_pretrained(adapter_dir)
-        write_rope_record(adapter_dir, rope)
+    if not (finished_before and adapter_dir.is_dir()):
+        save_adapter(model, adapter_dir, tokenizer, accelerator.is_main_process)
+        if accelerator.is_main_process:
+            write_rope_record(adapter_dir, rope)
     summary = balancing.service.warnings_summary() if balancing.service is not None else None
     if summary:
         log.warning(summary)

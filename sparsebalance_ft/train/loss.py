@@ -176,6 +176,12 @@ def token_loss(parts: CausalLMParts, hidden: torch.Tensor, targets: torch.Tensor
     return _cross_entropy(parts, hidden, targets, reduction)
 
 
+# A sharded model's root (train/sharding.py) carries the loss below as an FSDP forward method under
+# this name: the loss runs the decoder and the head itself rather than the model's forward, so that is
+# where the root must gather the weights it owns (embeddings, norm, head) and hook their gradients.
+SHARDED_LOSS_METHOD = "sbft_micro_batch_loss"
+
+
 def micro_batch_loss(model, batch: dict[str, torch.Tensor], mode: str = "auto") -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy of a packed micro-batch and the number of predicted tokens.
 
@@ -183,6 +189,14 @@ def micro_batch_loss(model, batch: dict[str, torch.Tensor], mode: str = "auto") 
     packed before it; the caller divides by the step's global target count, which makes the
     gradient equal to that of the mean loss over every token of the step on every rank.
     """
+    sharded = getattr(model, SHARDED_LOSS_METHOD, None)
+    if sharded is not None:
+        return sharded(batch, mode)
+    return unsharded_micro_batch_loss(model, batch, mode)
+
+
+def unsharded_micro_batch_loss(model, batch: dict[str, torch.Tensor], mode: str = "auto") -> tuple[torch.Tensor, int]:
+    """`micro_batch_loss` itself, without the sharded root's weight gathering around it."""
     parts = split_causal_lm(model)
     hidden = hidden_states(parts, input_ids=batch["input_ids"], position_ids=batch["position_ids"])
     targets = batch["labels"][:, 1:]
@@ -191,4 +205,4 @@ def micro_batch_loss(model, batch: dict[str, torch.Tensor], mode: str = "auto") 
 
 
 __all__ = ["LOSS_MODES", "LossConfigError", "CausalLMParts", "split_causal_lm", "hidden_states", "token_loss",
-           "micro_batch_loss", "resolve_mode", "fused_unavailable", "chunk_tokens"]
+           "micro_batch_loss", "unsharded_micro_batch_loss", "SHARDED_LOSS_METHOD", "resolve_mode", "fused_unavailable", "chunk_tokens"]

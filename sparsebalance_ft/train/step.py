@@ -5,10 +5,17 @@ micro-batches, rather than by DDP hooks during backward. That costs little for L
 gradients are small) and makes the quantity SparseBalance minimises observable: the time a
 rank spends waiting for the slowest one (`wait_time`) is measured on its own, before the
 gradient transfer (`comm_time`).
+
+A sharded model (`train/sharding.py`) reduce-scatters its gradients layer by layer during
+backward, so there is no all-reduce here; a rank then also runs `padding` one-token forwards
+for the micro-batches it lacks, since every rank must meet every layer's collectives. Its
+`wait_time` is what is left of the wait after the last layer (the layers' own collectives have
+already made it wait inside `compute_time`).
 """
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .loss import micro_batch_loss
+from .sharding import is_sharded, padding_batch
 
 
 def _distributed() -> bool:
@@ -63,8 +71,12 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
 
 
 def run_local_step(accelerator, model, batches: list[dict], global_target_tokens: int, params,
-                   loss_mode: str = "auto", after_micro_batches=None) -> LocalStep:
+                   loss_mode: str = "auto", after_micro_batches=None, padding: int = 0,
+                   padding_context=nullcontext) -> LocalStep:
+    """`padding` (sharded models only): forwards and backwards with nothing to predict, each inside
+    `padding_context()`, after the real micro-batches."""
     device = accelerator.device
+    sharded = is_sharded(model)
     start = time.perf_counter()
     loss_sum, target_tokens, tokens = 0.0, 0, 0
     for batch in batches:
@@ -75,6 +87,10 @@ def run_local_step(accelerator, model, batches: list[dict], global_target_tokens
         loss_sum += float(loss.detach())
         target_tokens += count
         tokens += int(batch["input_ids"].numel())
+    for _ in range(padding):
+        with padding_context(), accelerator.autocast():
+            loss, _count = micro_batch_loss(model, padding_batch(device), "full")
+        accelerator.backward(loss)  # zero, through every layer: the gradient reductions still run
     if after_micro_batches is not None:  # e.g. layer-level DST: join the exchanges of micro-batches this rank lacks
         after_micro_batches()
     synchronize(device)
@@ -84,5 +100,6 @@ def run_local_step(accelerator, model, batches: list[dict], global_target_tokens
     if _distributed():
         # completes when the slowest rank arrives
         wait_time = timed_collective(lambda: dist.all_reduce(torch.zeros(1, device=device)), device)
-        comm_time = timed_collective(lambda: all_reduce_gradients(params), device)
+        if not sharded:
+            comm_time = timed_collective(lambda: all_reduce_gradients(params), device)
     return LocalStep(compute_time, wait_time, comm_time, loss_sum, target_tokens, tokens)

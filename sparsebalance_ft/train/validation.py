@@ -13,9 +13,11 @@ and predicted tokens; one all-reduce adds the ranks' sums, and the loss is their
 mean over every predicted token, the same on every rank whatever the rank count.
 
 The model runs with the run's attention as configured. Under sparse attention every rank uses
-the recipe's default budget (`sparsity.budget`), not the balancer's per-rank one, so that the
-figure does not depend on which rank a document landed on; the attention report of these
-forwards is discarded and the rank's budget restored.
+the recipe's default budget (`sparsity.budget`), not the balancer's per-rank one, and no layer
+tuner moves it, so that the figure does not depend on which rank a document landed on (nor do
+ranks with different batch counts wait in the tuner's exchanges); the attention report of these
+forwards is discarded and the rank's budget restored. A sharded model needs every rank in every
+layer's collectives: a rank with fewer batches runs one-token padding forwards.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from ..data import TokenizedCorpus, load_corpus
 from ..data.packing import pack_documents
 from ..errors import UserError
 from ..recipe import Recipe
+from .sharding import is_sharded, padding_batch
 from .step import micro_batch_loss
 
 
@@ -54,8 +57,11 @@ class Validation:
         self.every = every
         self.budget = budget
         self.log = log
-        mine = np.arange(rank, len(corpus), world)
+        shares = [np.arange(r, len(corpus), world) for r in range(world)]
+        counts = [len(first_fit_decreasing(corpus.lengths[share], token_cap)) for share in shares]
+        mine = shares[rank]
         self.micro_batches = [mine[b].tolist() for b in first_fit_decreasing(corpus.lengths[mine], token_cap)]
+        self.padding = max(counts) - len(self.micro_batches)  # forwards a sharded model runs for batches it lacks
 
     def due(self, step: int, total_steps: int) -> bool:
         return step == total_steps or (self.every is not None and step % self.every == 0)
@@ -74,22 +80,27 @@ class Validation:
                         loss, n = micro_batch_loss(model, batch)  # the trainer's loss: one call, one place
                     loss_sum += float(loss)
                     count += n
+                for _ in range(self.padding if is_sharded(model) else 0):
+                    with accelerator.autocast():
+                        micro_batch_loss(model, padding_batch(accelerator.device), "full")
         finally:
             model.train(was_training)
         return loss_sum, count
 
     def evaluate(self, accelerator, model, step: int, controller=None) -> dict:
         """`eval_loss` (mean per predicted token over all ranks' documents) and `eval_tokens`; every rank must call it."""
-        saved = None
+        saved = tuner = None
         if controller is not None:
-            saved = controller.budgets
+            saved, tuner = controller.budgets, getattr(controller, "layer_tuner", None)
             controller.set_budget(self.budget)
+            controller.layer_tuner = None
         try:
             loss_sum, count = self.local_sums(accelerator, model)
         finally:
             if controller is not None:
                 controller.pop_report()  # not a training step's attention: keep it out of the density statistics
                 controller.set_budget(saved)
+                controller.layer_tuner = tuner
         totals = torch.tensor([loss_sum, count], dtype=torch.float64, device=accelerator.device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(totals)

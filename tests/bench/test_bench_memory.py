@@ -11,10 +11,12 @@ import pytest
 from sparsebalance_ft.bench.memory import (
     GIB,
     LLAMA3_8B,
+    LLAMA3_70B,
     SMOLLM2,
     MemoryCase,
     Shape,
     default_cases,
+    layer_parameters,
     lora_parameters,
     profiled_allocations,
     projected_peak,
@@ -56,6 +58,26 @@ def test_lora_parameter_count_matches_peft():
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16))
     model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     assert lora_parameters(shape) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_layer_parameter_count_matches_a_llama_layer():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = Shape("small", 2, 64, 4, 2, 16, 128, 100, 0, 4)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    assert layer_parameters(shape) == sum(p.numel() for p in model.model.layers[0].parameters())
+
+
+def test_sharding_divides_the_weights_and_adds_what_is_gathered():
+    whole = projected_peak(LLAMA3_70B, 32_768, True, "chunked")
+    sharded = projected_peak(LLAMA3_70B, 32_768, True, "chunked", shards=8)
+    assert sharded["weights"] == whole["weights"] / 8 and sharded["lora_state"] == whole["lora_state"] / 8
+    root = LLAMA3_70B.parameters - LLAMA3_70B.layers * layer_parameters(LLAMA3_70B)
+    assert root == 2 * LLAMA3_70B.vocab * LLAMA3_70B.hidden + LLAMA3_70B.hidden  # untied embedding and head, final norm
+    assert sharded["gathered"] == (root + 2 * layer_parameters(LLAMA3_70B)) * 2
+    assert sharded["total"] - sharded["weights"] - sharded["gathered"] - sharded["lora_state"] == pytest.approx(
+        whole["total"] - whole["weights"] - whole["lora_state"])  # activations do not shard
 
 
 def test_accounting_orders_the_three_changes():
