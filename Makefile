@@ -105,6 +105,13 @@ bench-accuracy: install
 bench-memory: install
 	$(SBFT) bench memory --out $(BENCH)/memory/memory.json
 
+# A whole LoRA training step of the real model as `sbft train` runs it: dense SDPA against the sparse attention at
+# budgets 0.3 / 0.5 / 0.7 / 1.0, interleaved, 3 repeats (2 at 32K tokens: a dense 32K step takes tens of minutes on CPU).
+.PHONY: bench-step
+bench-step: install $(REAL)/sbft_model.json
+	$(SBFT) bench step --model $(REAL) --lengths 4096,8192,16384,32768 --repeats 3,3,3,2 \
+		--out $(BENCH)/step/step.json --work $(RUNS)/bench-step
+
 # Temporary memory of one layer's block selection at 16K/32K/64K tokens (seconds).
 .PHONY: bench-memory-selection
 bench-memory-selection: install
