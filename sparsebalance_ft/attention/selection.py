@@ -463,7 +463,7 @@ def sampled_recall_tensor(
         slots = sel.indices[h, i].long() - start
         valid = (torch.arange(slots.numel(), device=slots.device) < sel.counts[h, i]).int()
         kept = torch.zeros(i - start + 1, dtype=torch.int32, device=q.device).index_add_(0, slots, valid) > 0
-        total += (prob * kept.repeat_interleave(bs).to(prob.dtype)).sum(-1).mean()
+        total += (prob * kept[:, None].expand(-1, bs).reshape(-1).to(prob.dtype)).sum(-1).mean()
     return total / len(picks)
 
 

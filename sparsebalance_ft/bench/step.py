@@ -50,7 +50,7 @@ ARMS = ("dense", "0.3", "0.5", "0.7", "1.0")
 CPU_WARMUP_TOKENS = 2048  # a CPU warms up (thread pools, allocator) on a short step; CUDA on the full one
 DENSE_TIMED = "sbft_bench_sdpa"
 SPARSE_TIMED = "sbft_bench_sparsebalance"
-BREAKDOWN = ("selection", "kernel_forward", "kernel_backward", "recompute", "other")
+BREAKDOWN = ("selection", "kernel_forward", "kernel_backward", "recompute", "report", "other")
 
 
 class StepBenchError(UserError):
@@ -190,7 +190,9 @@ class LengthRun:
                 self.accelerator.clip_grad_norm_(self.params, self.recipe.training.max_grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            before_report = probe.mark()
             report = self.controller.pop_report()
+            probe.span("report", before_report, probe.mark())
             synchronize(device)
             step_s = time.perf_counter() - start
         spans = probe.finish()
@@ -278,6 +280,7 @@ def cell_rows(length: int, samples: dict[str, list[Sample]], layers: int) -> lis
             "attention_speedup": dense_attention / attention if dense_attention and attention else None,
             "attention_ideal": 1.0 / density if density else None,
             "selection_share_of_attention": spans["selection"] / attention if arm != "dense" and attention else None,
+            "report_share_of_step": spans["report"] / step_s,
             "spans": spans,
             "breakdown": breakdown,
             "host_syncs_per_step": _median(s.syncs for s in runs),

@@ -10,7 +10,8 @@
   the attention's own, in between);
 - inside the sparse attention (`instrument_sparse_attention`): the block selection with its kernel plan
   (`selection`), the kernel's forward and backward outside recomputation (`kernel_forward`,
-  `kernel_backward`; the full-budget route's fused SDPA counts as the kernel);
+  `kernel_backward`; the full-budget route's fused SDPA counts as the kernel), and the attention report's
+  bookkeeping (`report`: sampled recall, per-document counts; the step adds its `pop_report`);
 - each decoder layer's recomputation under gradient checkpointing (`recompute`), by wrapping the
   function each layer checkpoints (its end is the moment recomputation stops, early stop included);
 - host synchronisations: on CUDA every synchronising call that `torch.cuda.set_sync_debug_mode` flags
@@ -35,7 +36,7 @@ from ..attention import register as sparse_register
 from ..attention.register import in_backward
 
 SPANS = ("attention_forward", "attention_recompute", "attention_backward", "selection", "kernel_forward",
-         "kernel_backward", "recompute")
+         "kernel_backward", "recompute", "report")
 _READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__")
 _SYNC_WARNING = "called a synchronizing CUDA operation"
 
@@ -164,13 +165,16 @@ def timed_attention(probe: StepProbe, attention: Callable) -> Callable:
 def instrument_sparse_attention(probe: StepProbe) -> Iterator[None]:
     """Time the sparse attention's selection and kernel (forward and backward) while the block runs."""
     choose, kernel, dense = sparse_register._choose_route, sparse_register.block_sparse_attention, sparse_register._dense_docs
+    recall, per_document = sparse_register.sampled_recall_tensor, sparse_register._per_document
 
-    def timed_choose(*args, **kwargs):
-        start = probe.mark()
-        try:
-            return choose(*args, **kwargs)
-        finally:
-            probe.span("selection", start, probe.mark())
+    def timed(name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            start = probe.mark()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                probe.span(name, start, probe.mark())
+        return call
 
     def timed_kernel(inner):
         def call(q, k, v, *args, **kwargs):
@@ -178,14 +182,17 @@ def instrument_sparse_attention(probe: StepProbe) -> Iterator[None]:
                                 lambda q_, k_, v_: inner(q_, k_, v_, *args, **kwargs), q, k, v)
         return call
 
-    sparse_register._choose_route = timed_choose
+    sparse_register._choose_route = timed("selection", choose)
     sparse_register.block_sparse_attention = timed_kernel(kernel)
     sparse_register._dense_docs = timed_kernel(dense)
+    sparse_register.sampled_recall_tensor = timed("report", recall)
+    sparse_register._per_document = timed("report", per_document)
     try:
         yield
     finally:
         sparse_register._choose_route, sparse_register.block_sparse_attention = choose, kernel
         sparse_register._dense_docs = dense
+        sparse_register.sampled_recall_tensor, sparse_register._per_document = recall, per_document
 
 
 @contextlib.contextmanager

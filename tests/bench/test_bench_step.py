@@ -31,7 +31,8 @@ def test_rows_carry_every_field_and_the_file_matches(quick_result):
         assert not missing, (row["arm"], missing)
         assert row["tokens_per_s"] == pytest.approx(512 / row["step_s"])
     sparse = next(r for r in result["rows"] if r["arm"] == "0.3")
-    assert set(sparse["breakdown"]) == {"selection", "kernel_forward", "kernel_backward", "recompute", "other"}
+    assert set(sparse["breakdown"]) == {"selection", "kernel_forward", "kernel_backward", "recompute", "report", "other"}
+    assert 0 < sparse["report_share_of_step"] < 1
     assert sum(sparse["breakdown"].values()) == pytest.approx(sparse["step_s"])
     assert sparse["breakdown"]["selection"] > 0 and sparse["breakdown"]["kernel_backward"] > 0
     assert sparse["breakdown"]["recompute"] > 0  # the recipe checkpoints every layer
