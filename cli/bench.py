@@ -1,7 +1,8 @@
 """`sbft bench attention` (one attention layer, sparse vs dense SDPA), `sbft bench selection` (the
 selection rules at matched density), `sbft bench balance` (the same training run under baseline, SAB,
-DST, SAB+DST and dense attention, on real ranks), `sbft bench accuracy` (the accuracy study) and `sbft bench
-memory` (peak memory of one training step), `sbft bench extend` (context extension before and after fine-tuning)."""
+DST, SAB+DST and dense attention, on real ranks), `sbft bench accuracy` (the accuracy study), `sbft bench
+memory` (peak memory of one training step), `sbft bench step` (a whole training step, dense against sparse) and
+`sbft bench extend` (context extension before and after fine-tuning)."""
 from __future__ import annotations
 
 import json
@@ -399,6 +400,46 @@ def extend(
     for name, ok in summary.get("targets", {}).items():
         console.print(f"  target {name}: {'met' if ok else 'MISSED'}", highlight=False)
     console.print(f"wrote {out / 'extend.json'}")
+
+
+@bench_app.command("step")
+@user_errors
+def step(
+    recipe_path: Path = typer.Option(Path("recipes/bench-step.yaml"), "--recipe", help="Recipe of the step (LoRA, checkpointing, loss)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint folder (default runs/smollm2; --quick: a tiny model in --work)."),
+    lengths: Optional[str] = typer.Option(None, help="Comma-separated tokens per step (default 4096,8192,16384,32768; --quick 512)."),
+    arms: str = typer.Option(",".join(("dense", "0.3", "0.5", "0.7", "1.0")), help="dense and sparse budgets, comma-separated."),
+    repeats: Optional[str] = typer.Option(None, help="Timed repeats per arm: one count, or one per length (default 3; --quick 1)."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    backend: str = typer.Option("auto", help="Sparse kernel: auto, torch, flex or triton."),
+    dtype: str = typer.Option("auto", help="Weights dtype: auto (float32 on CPU, bf16 on a GPU), float32, bfloat16, float16."),
+    quick: bool = typer.Option(False, "--quick", help="The tiny model at 512 tokens, one repeat (seconds)."),
+    out: Path = typer.Option(Path("bench_results/step/step.json"), "--out", help="Results as JSON (the PNG beside it)."),
+    work: Path = typer.Option(Path("runs/bench-step"), "--work", help="Rope-scaled model configs and the --quick model."),
+    overrides: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key."),
+) -> None:
+    """A whole LoRA training step (as `sbft train` runs it), dense SDPA against the sparse attention per budget:
+    step time, speedup, loss gap, kept density, memory, the Amdahl ceiling and where the sparse step's time goes."""
+    from sparsebalance_ft.bench.step import StepPlan, run_step_bench
+    from sparsebalance_ft.bench.step_report import step_table_markdown
+
+    if model is None:
+        if quick:
+            from sparsebalance_ft.modeling.tiny import init_tiny
+
+            model = work / "tiny-llama"
+            if not (model / "config.json").is_file():
+                init_tiny(model)
+        else:
+            model = Path("runs/smollm2")
+    lens = [int(x) for x in _floats(lengths or ("512" if quick else "4096,8192,16384,32768"), "lengths")]
+    counts = [int(x) for x in _floats(repeats or ("1" if quick else "3"), "repeats")]
+    plan = StepPlan(lengths=lens, arms=[a.strip() for a in arms.split(",") if a.strip()], repeats=counts,
+                    device=device, backend=backend, dtype=dtype)
+    result = run_step_bench(recipe_path, model, plan, out, work, overrides or [],
+                            say=lambda line: console.print(line, highlight=False))
+    console.print(step_table_markdown(result), highlight=False)
+    console.print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 def register(app: typer.Typer) -> None:

@@ -135,6 +135,8 @@ class _Accum:
     # None when nothing moved the selection): the per-document counts stay tensors (on the attention's device) until pop_report, so recording a
     # layer costs no device-to-host copy
     pending: list = field(default_factory=list)
+    # (layer, recall, tokens) whose recall is still a tensor on the attention's device, read at pop_report
+    pending_recall: list = field(default_factory=list)
     forwards: int = 0
     last_layer: int | None = None
     selection_seconds: float = 0.0
@@ -246,7 +248,8 @@ class SparseAttentionController:
         return _Accum(np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n))
 
     def record(self, layer: int, row: int, doc_lengths: list[int], doc_kept, doc_causal,
-               recall: float | None, selection_seconds: float = 0.0, doc_kept_at_budget=None) -> None:
+               recall: float | torch.Tensor | None, selection_seconds: float = 0.0,
+               doc_kept_at_budget=None) -> None:
         """Account one layer call for one batch row: kept/causal blocks per document, summed over kv heads
         (arrays or tensors; tensors are read at `pop_report`); `doc_kept_at_budget`, when a layer tuner moved
         the selection, what was kept at the rank's budget before it (default: `doc_kept`). Calls made during a
@@ -261,7 +264,10 @@ class SparseAttentionController:
                 acc.last_layer = layer
             if 0 <= layer < self.num_layers and recall is not None:
                 tokens = max(1, sum(doc_lengths))  # weighted by the row's tokens: a 40-token micro-batch is not an 8K one
-                acc.recall_sum[layer] += recall * tokens
+                if isinstance(recall, torch.Tensor):
+                    acc.pending_recall.append((layer, recall, tokens))
+                else:
+                    acc.recall_sum[layer] += recall * tokens
                 acc.recall_n[layer] += tokens
             acc.selection_seconds += selection_seconds
             acc.pending.append((acc.forwards, row, layer, list(doc_lengths), doc_kept, doc_causal,
@@ -270,6 +276,10 @@ class SparseAttentionController:
     def pop_report(self) -> AttentionReport:
         with self._lock:
             acc, self._acc = self._acc, self._new_acc()
+        if acc.pending_recall:  # one read for every layer's sampled recall
+            values = torch.stack([r.detach().float().reshape(()) for _, r, _ in acc.pending_recall]).cpu().tolist()
+            for (layer, _, tokens), value in zip(acc.pending_recall, values):
+                acc.recall_sum[layer] += value * tokens
         docs: dict[tuple[int, int, int], list] = {}
         for forward, row, layer, lengths, kept, causal, at_budget in acc.pending:
             kept, causal = _as_list(kept), _as_list(causal)

@@ -15,13 +15,13 @@ refused; sinks (GPT-OSS) are folded into the softmax by the kernels; a chunk (Ll
 document into chunk-long pieces in the block layout (a chunk boundary is a document boundary for
 attention), so selection and kernels need nothing new.
 
-Host syncs per layer call on the sparse path (what stays, and why): the selection reads 2 maxima (the
-longest causal span sizes its chunks, the largest kept count its result), the torch kernel's `make_plan` reads the kept counts 3 times to
-group rows into chunks (the torch backend only; on CUDA the default is flex, whose mask is built without
-any), `from_layout` reads 1 flag (whether padding was dropped) when the layout is not the identity, and
-recall sampling reads 4 values per sample (``recall_samples``, 0 switches it off). The documents and
-layouts are built once per forward (not per layer), and the report's per-document counts stay on the
-device until `pop_report`.
+Host syncs per layer call on the sparse path: none with the flex or Triton kernels (the GPU backends),
+unless layer-level tuning is on (its one all_gather of 3 floats per layer). The selection sizes itself from
+the layout's document lengths (host values), sampled recall stays a device tensor until `pop_report`, and
+the report's per-document counts too. What reads the device, and why: the torch kernel's `make_plan`
+reads the kept counts 3 times to group rows into chunks (the CPU backend, where reads cost nothing),
+`from_layout` reads 1 flag (whether padding was dropped) when the layout is not the identity, and the
+documents and layouts are read once per forward (not per layer). `sbft bench step` counts them per step.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from .selection import (
     documents_from_positions,
     from_layout,
     make_layout,
-    sampled_recall,
+    sampled_recall_tensor,
     to_layout,
 )
 
@@ -406,7 +406,7 @@ def sparse_attention_row(
         recall = None
         if cfg.recall_samples > 0:
             gen = torch.Generator().manual_seed(recall_seed(layer, layout.doc_lengths))
-            recall = sampled_recall(qp[0].detach(), kp[0].detach(), layout, sel, cfg.recall_samples, scale, gen, window)
+            recall = sampled_recall_tensor(qp[0].detach(), kp[0].detach(), layout, sel, cfg.recall_samples, scale, gen, window)
         kept = _per_document(layout, sel.counts.sum(0), owner, len(docs))
         moved = at_budget is not sel.counts  # a layer tuner changed the selection
         kept_at_budget = _per_document(layout, at_budget.sum(0), owner, len(docs)) if moved else None

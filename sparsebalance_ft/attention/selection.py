@@ -65,6 +65,27 @@ class Layout:
     def identity(self) -> bool:
         return self.src is None
 
+    def host_blocks(self) -> tuple[list[int], list[int]]:
+        """(first block of each block's document, real tokens of each block) as host lists, from
+        `doc_lengths` alone: what the attention needs on the host without reading the device."""
+        if getattr(self, "_host_blocks", None) is None:
+            starts, tokens, first = [], [], 0
+            for n in self.doc_lengths:
+                blocks = max(1, -(-n // self.block_size))
+                starts += [first] * blocks
+                tokens += [self.block_size] * (blocks - 1) + [n - (blocks - 1) * self.block_size]
+                first += blocks
+            self._host_blocks = (starts, tokens)
+        return self._host_blocks
+
+    def longest_span(self, window: int | None = None) -> int:
+        """The most allowed key blocks of any query block (`causal_counts(...).max()`, known on the host):
+        the longest document's blocks, or fewer under a sliding window."""
+        span = max(max(1, -(-n // self.block_size)) for n in self.doc_lengths)
+        if window is not None:
+            span = min(span, -(-(window + self.block_size - 1) // self.block_size))
+        return span
+
 
 def documents_from_positions(position_ids: torch.Tensor) -> list[int]:
     """Document lengths of one row of position ids: a new document starts wherever the id does not step by 1."""
@@ -219,8 +240,10 @@ def select_block_sets(
     one scoring, which is most of a selection's time, instead of one each.
 
     Query blocks are scored and selected in chunks, so no temporary grows with (query blocks x key blocks):
-    the largest is one chunk's sampled logits, `_CHUNK_ELEMENTS` elements. Host syncs: two reads (the
-    longest causal span, sizing the chunks, and the largest kept count of each selection, sizing it)."""
+    the largest is one chunk's sampled logits, `_CHUNK_ELEMENTS` elements. No host sync on a GPU: the longest
+    causal span (sizing the chunks) comes from the layout's document lengths and every selection is as
+    wide as its cap, so nothing is read back from the device (on CPU, where reads cost nothing, each chunk
+    looks up the few key columns it must mask)."""
     if rule not in ("mass", "anchor") or not limits:
         raise ValueError(f"select_block_sets: rule must be 'mass' or 'anchor' with at least one limit, got {rule!r}")
     hq, hkv = q.shape[0], k.shape[0]
@@ -232,15 +255,15 @@ def select_block_sets(
     loosest = [force_density is None and (thr >= 1.0 if rule == "mass" else thr == math.inf) and k_max >= nb
                for thr, k_max in limits]
     if (force_density is None and all(loosest)) or (force_density is not None and force_density >= 1.0):
-        return [_every_allowed_block(causal, hkv)] * len(limits)
+        return [_every_allowed_block(causal, hkv, layout.longest_span(window))] * len(limits)
 
-    span = int(causal.max())
+    span = layout.longest_span(window)
     per_block = hq * max(1, score_queries) * span * layout.block_size
     chunk = max(1, min(_chunk_elements(dev) // per_block, _CHUNK_ROWS_MAX.get(dev.type, nb)))
     if force_density is None:
         cap = min(span, max(max(k_max for _, k_max in limits), sink_blocks + local_blocks, k_min))
     else:
-        cap = int(forced_count(causal, force_density).max())
+        cap = min(max(1, round(force_density * span)), span)  # forced_count at the longest span
     qb, kb = pooled(q, layout), pooled(k, layout)
     scratch = _sampled_scratch(q, k, chunk, span, nb, layout.block_size, score_queries) if score_queries > 0 else None
     picks, counts = [], [[] for _ in limits]
@@ -280,21 +303,21 @@ def select_block_sets(
     sets = []
     for full, out in zip(loosest, counts):
         if full:  # exactly every allowed block, as when every limit is the loosest
-            sets.append(_every_allowed_block(causal, hkv))
+            sets.append(_every_allowed_block(causal, hkv, span))
             continue
-        n = torch.cat(out, 1)
-        K = int(n.max())
-        slot = torch.arange(K, device=dev)
-        idx = torch.where(slot[None, None, :] < n[..., None], ranked[..., :K], ar[None, :, None])
+        n = torch.cat(out, 1)  # never above cap: as wide as the cap, the selection needs no read of its counts
+        slot = torch.arange(cap, device=dev)
+        idx = torch.where(slot[None, None, :] < n[..., None], ranked, ar[None, :, None])
         sets.append(Selection(idx.contiguous(), n.contiguous(), causal, full=False))
     return sets
 
 
-def _every_allowed_block(causal: torch.Tensor, hkv: int) -> Selection:
-    """Every allowed key block of each query block, ascending; slots past a row's count hold its diagonal."""
+def _every_allowed_block(causal: torch.Tensor, hkv: int, span: int) -> Selection:
+    """Every allowed key block of each query block, ascending; slots past a row's count hold its diagonal.
+    `span`: causal.max()."""
     nb = causal.numel()
     ar = torch.arange(nb, device=causal.device)
-    slot = torch.arange(int(causal.max()), device=causal.device)
+    slot = torch.arange(span, device=causal.device)
     idx = torch.where(slot[None, :] < causal[:, None], ar[:, None] - causal[:, None] + 1 + slot[None, :], ar[:, None])
     return Selection(idx[None].expand(hkv, -1, -1), causal[None].expand(hkv, nb).clone(), causal, full=True)
 
@@ -354,8 +377,10 @@ def _sampled_shares(q: torch.Tensor, k: torch.Tensor, layout: Layout, i0: int, i
     if window is not None:
         visible &= kpos[None, :] > qpos[:, None] - window
     hidden = ~visible
-    cols = hidden.any(0).nonzero().squeeze(1)  # the few key columns some sampled query must not see
-    hidden = hidden[:, cols]
+    cols = None  # on a GPU every column is masked: finding the few hidden ones (nonzero) would synchronise
+    if dev.type == "cpu":
+        cols = hidden.any(0).nonzero().squeeze(1)  # the few key columns some sampled query must not see
+        hidden = hidden[:, cols]
     g, d, nq, nk = hq // hkv, q.shape[-1], qpos.numel(), kpos.numel()
     qs = (q[:, qpos] * scale).reshape(hkv, g * nq, d)
     ks = k[:, k0 * bs:i1 * bs]
@@ -367,7 +392,10 @@ def _sampled_shares(q: torch.Tensor, k: torch.Tensor, layout: Layout, i0: int, i
         out = scratch[:heads * g * nq * nk].view(heads, g * nq, nk)
         logits = torch.matmul(qs[h:h + heads], ks[h:h + heads].transpose(-1, -2), out=out).float()  # q's dtype
         logits = logits.view(heads, g, nq, nk)
-        logits[..., cols] = logits[..., cols].masked_fill_(hidden, _NEG_INF)  # one pass over those columns only
+        if cols is None:
+            logits.masked_fill_(hidden, _NEG_INF)
+        else:
+            logits[..., cols] = logits[..., cols].masked_fill_(hidden, _NEG_INF)  # one pass over those columns only
         logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # every sampled token sees itself: no row is all -inf
         mass = logits.view(heads, g, i1 - i0, per_block, i1 - k0, bs).sum(-1)
         shares.append((mass / mass.sum(-1, keepdim=True)).mean((1, 3)))  # the softmax's share of each block
@@ -390,13 +418,24 @@ def forced_count(causal: torch.Tensor, density: float) -> torch.Tensor:
     return torch.minimum(torch.round(density * causal.double()).long().clamp(min=1), causal)
 
 
-@torch.no_grad()
 def sampled_recall(
     q: torch.Tensor, k: torch.Tensor, layout: Layout, sel: Selection, samples: int, scale: float,
     generator: torch.Generator | None = None, window: int | None = None,
 ) -> float | None:
     """Share of the exact dense softmax mass held by the kept blocks, averaged over `samples` random
     (key-value head, query block) pairs, their query heads and real query tokens."""
+    recall = sampled_recall_tensor(q, k, layout, sel, samples, scale, generator, window)
+    return recall if recall is None or isinstance(recall, float) else float(recall)
+
+
+@torch.no_grad()
+def sampled_recall_tensor(
+    q: torch.Tensor, k: torch.Tensor, layout: Layout, sel: Selection, samples: int, scale: float,
+    generator: torch.Generator | None = None, window: int | None = None,
+) -> torch.Tensor | float | None:
+    """`sampled_recall` left on q's device (a 0-dim tensor; 1.0 for a full selection): nothing is read back,
+    so the attention can sample recall on every layer without a host synchronisation. The drawn pairs come
+    from `generator` on the host and the block geometry from `Layout.host_blocks`."""
     if samples <= 0:
         return None
     if sel.full:
@@ -404,12 +443,12 @@ def sampled_recall(
     hq, hkv = q.shape[0], k.shape[0]
     g = hq // hkv
     nb, bs = layout.num_blocks, layout.block_size
-    total = 0.0
+    starts, tokens = layout.host_blocks()
+    total = torch.zeros((), dtype=torch.float32, device=q.device)
     picks = torch.randint(0, hkv * nb, (samples,), generator=generator).tolist()
     for pick in picks:
         h, i = divmod(pick, nb)
-        start = int(layout.block_start[i])
-        real = int(layout.block_tokens[i])
+        start, real = starts[i], tokens[i]
         qi = q[h * g:(h + 1) * g, i * bs:i * bs + real].float()  # [G, real, D]
         ks = k[h, start * bs:(i + 1) * bs].float()  # [nk, D]
         logits = torch.matmul(qi, ks.T) * scale
@@ -420,9 +459,9 @@ def sampled_recall(
             ok &= kpos > qpos - window
         logits.masked_fill_(~ok.to(logits.device), _NEG_INF)
         prob = torch.softmax(logits, -1)
-        kept_blocks = sel.indices[h, i, : int(sel.counts[h, i])] - start
-        kept = torch.zeros(i - start + 1, dtype=torch.bool, device=q.device)
-        kept[kept_blocks] = True
-        kept_tok = kept.repeat_interleave(bs)
-        total += float(prob[..., kept_tok].sum(-1).mean())
+        # slots past the row's count hold its diagonal block: they add 0 to its tally, never a block
+        slots = sel.indices[h, i].long() - start
+        valid = (torch.arange(slots.numel(), device=slots.device) < sel.counts[h, i]).int()
+        kept = torch.zeros(i - start + 1, dtype=torch.int32, device=q.device).index_add_(0, slots, valid) > 0
+        total += (prob * kept[:, None].expand(-1, bs).reshape(-1).to(prob.dtype)).sum(-1).mean()
     return total / len(picks)

@@ -78,13 +78,15 @@ def _trim() -> None:
         pass
 
 
-class _PeakRSS:
-    """Peak resident memory above the starting point while the block runs (CPU: RSS sampled every 5 ms
-    after trimming the heap; CUDA: allocator peak)."""
+class PeakMemory:
+    """Peak memory while the block runs, above the starting point (`peak_mb`) and in all (`peak_bytes`).
+    CPU: RSS sampled every 5 ms after trimming the heap (glibc keeps some freed memory resident unless
+    `_tight_malloc` ran, so an upper bound); CUDA: the allocator's peak."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.peak_mb: float | None = None
+        self.peak_bytes: int | None = None
 
     @staticmethod
     def _rss() -> int | None:
@@ -118,13 +120,15 @@ class _PeakRSS:
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.peak_mb = (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
+            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            self.peak_mb = (self.peak_bytes - self._base) / 2**20
             return False
         if self._base is not None:
             self._stop.set()
             self._thread.join()
             r = self._rss()
             self._max = max(self._max, r or 0)
+            self.peak_bytes = int(self._max)
             self.peak_mb = (self._max - self._base) / 2**20
         return False
 
@@ -221,14 +225,14 @@ def run_attention_bench(
                     for t in (q, k, v):
                         t.grad = None
                     gc.collect()
-                    with _PeakRSS(dev) as mem:
+                    with PeakMemory(dev) as mem:
                         dense_times.append(_dense_step(q, k, v, go, dev))
                     if mem.peak_mb is not None:
                         dense_peak.append(mem.peak_mb)
                 for t in (q, k, v):
                     t.grad = None
                 gc.collect()
-                with _PeakRSS(dev) as mem:
+                with PeakMemory(dev) as mem:
                     res = _sparse_step(q, k, v, go, cfg, case[0], case[1], dev)
                 per_case[case].append((*res, mem.peak_mb))
                 if progress is not None:

@@ -53,13 +53,14 @@ class TrainState:
         self.step, self.epoch, self.step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
 
 
-def make_accelerator(recipe: Recipe):
+def make_accelerator(recipe: Recipe, cpu: bool | None = None):
+    """The run's Accelerator; `cpu` forces the CPU (or, False, the GPU), by default the GPU when there is one."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     out = recipe.training.output_dir
     return Accelerator(
-        cpu=not torch.cuda.is_available(),
+        cpu=not torch.cuda.is_available() if cpu is None else cpu,
         mixed_precision=resolve_mixed_precision(recipe.training.mixed_precision),
         log_with=tracker_names(recipe.training) or None,
         project_config=ProjectConfiguration(project_dir=out, logging_dir=str(Path(out) / "tensorboard")),

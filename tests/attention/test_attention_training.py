@@ -65,7 +65,7 @@ def test_checkpoint_recompute_reuses_the_forward_selection(reentrant, monkeypatc
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     ctl = SparseAttentionController.attach(checkpointed, config)
     selections = _counting(monkeypatch, attention_budget, "select_block_sets")  # the controller's select
-    recalls = _counting(monkeypatch, attention_register, "sampled_recall")
+    recalls = _counting(monkeypatch, attention_register, "sampled_recall_tensor")
     loss, grads = _step(checkpointed, ctl, budget_after_forward=0.9)
     report = ctl.pop_report()
 

@@ -1,0 +1,92 @@
+"""`sbft bench step` on the tiny model: every row's fields, exact full budget, the Amdahl arithmetic."""
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sparsebalance_ft.bench.step import StepPlan, amdahl_ceiling, rope_scaled_model, run_step_bench
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "bench-step.yaml"
+FIELDS = ("length", "arm", "step_s", "tokens_per_s", "speedup_vs_dense", "loss_gap", "kept_density", "peak_mem_bytes",
+          "attention_share", "amdahl_ceiling", "share_of_ceiling", "host_syncs_per_step", "breakdown")
+
+
+@pytest.fixture(scope="module")
+def quick_result(tiny_model_dir, text_corpus_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench_step")
+    plan = StepPlan(lengths=[512], arms=["dense", "0.3", "1.0"], repeats=[1])
+    overrides = [f"data.path={text_corpus_dir}", "data.text_glob=*", f"data.cache_dir={tmp / 'cache'}"]
+    out = tmp / "step.json"
+    return run_step_bench(RECIPE, tiny_model_dir, plan, out, tmp / "work", overrides), out
+
+
+def test_rows_carry_every_field_and_the_file_matches(quick_result):
+    result, out = quick_result
+    assert json.loads(out.read_text()) == result and result["complete"]
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert {row["arm"] for row in result["rows"]} == {"dense", "0.3", "1.0"}
+    for row in result["rows"]:
+        missing = [f for f in FIELDS if f not in row or (row[f] is None and not (f == "breakdown" and row["arm"] == "dense"))]
+        assert not missing, (row["arm"], missing)
+        assert row["tokens_per_s"] == pytest.approx(512 / row["step_s"])
+    sparse = next(r for r in result["rows"] if r["arm"] == "0.3")
+    assert set(sparse["breakdown"]) == {"selection", "kernel_forward", "kernel_backward", "recompute", "report", "other"}
+    assert 0 < sparse["report_share_of_step"] < 1
+    assert sum(sparse["breakdown"].values()) == pytest.approx(sparse["step_s"])
+    assert sparse["breakdown"]["selection"] > 0 and sparse["breakdown"]["kernel_backward"] > 0
+    assert sparse["breakdown"]["recompute"] > 0  # the recipe checkpoints every layer
+    assert 0 < sparse["kept_density"] < 1
+    assert sparse["attention_host_syncs_per_step"] > 0  # the selection reads a few values per layer
+
+
+def test_full_budget_loss_equals_dense_on_the_same_tokens(quick_result):
+    rows = {row["arm"]: row for row in quick_result[0]["rows"]}
+    assert rows["1.0"]["kept_density"] == 1.0
+    assert abs(rows["1.0"]["loss"] - rows["dense"]["loss"]) <= 1e-4 * rows["dense"]["loss"]
+    assert abs(rows["1.0"]["loss_gap"]) <= 1e-4
+    assert rows["0.3"]["loss"] != rows["dense"]["loss"]  # a sparse budget does change what is computed
+
+
+def test_ceiling_from_measured_share_and_density(quick_result):
+    rows = {row["arm"]: row for row in quick_result[0]["rows"]}
+    dense = rows["dense"]
+    a = (dense["spans"]["attention_forward"] + dense["spans"]["attention_recompute"]
+         + dense["spans"]["attention_backward"]) / dense["step_s"]
+    assert 0 < a < 1
+    for row in rows.values():
+        assert row["attention_share"] == pytest.approx(a)
+        d = row["kept_density"]
+        assert row["amdahl_ceiling"] == pytest.approx(1.0 / ((1.0 - a) + a * d))
+        assert row["speedup_vs_dense"] == pytest.approx(dense["step_s"] / row["step_s"])
+        assert row["share_of_ceiling"] == pytest.approx(row["speedup_vs_dense"] / row["amdahl_ceiling"])
+    assert amdahl_ceiling(0.8, 0.25) == pytest.approx(2.5) and amdahl_ceiling(0.0, 0.1) == 1.0
+
+
+def test_rope_scaled_copy_only_past_the_native_length(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 8192,
+                                                   "rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}}))
+    (model / "model.safetensors").write_bytes(b"weights")
+    assert rope_scaled_model(model, 8192, tmp_path / "work") == model
+    scaled = rope_scaled_model(model, 20000, tmp_path / "work")
+    config = json.loads((scaled / "config.json").read_text())
+    assert config["rope_parameters"] == {"rope_theta": 1e5, "rope_type": "linear", "factor": 3.0}
+    assert config["max_position_embeddings"] == 3 * 8192 >= 20000
+    assert (scaled / "model.safetensors").read_bytes() == b"weights"
+    assert json.loads((model / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--arms", "0.3,0.5"], "--arms"),
+    (["--repeats", "2,2"], "--repeats"),
+    (["--device", "tpu"], "--device"),
+])
+def test_bad_flags_are_one_line_and_exit_2(args, says, tiny_model_dir, tmp_path):
+    from cli.app import app
+
+    result = CliRunner().invoke(app, ["bench", "step", "--model", str(tiny_model_dir), "--lengths", "256",
+                                      "--out", str(tmp_path / "s.json"), *args])
+    assert result.exit_code == 2, result.output
+    assert says in result.output and len(result.output.strip().splitlines()) == 1
