@@ -27,6 +27,14 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def no_hub_kernels_offline() -> None:
+    """Offline, transformers must not reach for its hub kernels (with the `kernels` package installed it
+    swaps in `kernels-community/rotary` and others on CUDA at the first forward, and fails there when they
+    are not cached: seen on an offline H200). A user's explicit USE_HUB_KERNELS still decides."""
+    if hub_offline():
+        os.environ.setdefault("USE_HUB_KERNELS", "NO")
+
+
 def hub_failure(key: str, hub_id: str, error: Exception) -> str:
     """One line: why `hub_id` could not be loaded from the hub."""
     if hub_offline():

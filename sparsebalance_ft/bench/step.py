@@ -65,31 +65,6 @@ def amdahl_ceiling(attention_share: float, density: float) -> float:
 # ----------------------------------------------------------------------------- model and data
 
 
-def rope_scaled_model(model_dir: Path, length: int, work: Path) -> Path:
-    """The model folder to load for `length` tokens: `model_dir` itself when its native positions cover
-    the length, else a folder in `work` whose config adds linear rope scaling (positions divided by
-    ceil(length / native)) and whose other files link to `model_dir`'s.
-
-    Stands in for the recipe's rope-scaling key until the project has one: swap this for it."""
-    config = json.loads((model_dir / "config.json").read_text())
-    native = int(config.get("max_position_embeddings") or 0)
-    if not native or length <= native:
-        return model_dir
-    factor = math.ceil(length / native)
-    out = work / f"{model_dir.name}-linear{factor}"
-    out.mkdir(parents=True, exist_ok=True)
-    for item in model_dir.iterdir():
-        target = out / item.name
-        if item.name != "config.json" and not target.exists():
-            target.symlink_to(item.resolve())
-    rope = dict(config.get("rope_parameters") or {})
-    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    config["rope_parameters"] = {**rope, "rope_type": "linear", "factor": float(factor)}
-    config["max_position_embeddings"] = native * factor
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
-
-
 def bench_tokens(corpus, length: int) -> np.ndarray:
     """`length` tokens of real text as one document: the corpus's longest documents joined end to end
     (the longest alone, truncated, when it is long enough)."""
@@ -103,11 +78,21 @@ def bench_tokens(corpus, length: int) -> np.ndarray:
     raise StepBenchError(f"the data holds {have:,} tokens, fewer than --lengths asks ({length:,})")
 
 
-def length_recipe(base: Recipe, model_dir: Path | str, length: int) -> Recipe:
-    """The base recipe at one length (data.max_seq_len, and the model folder that covers it)."""
+def native_positions(model_dir: Path | str) -> int:
+    """The positions the checkpoint was trained for (0 when its config does not say)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 0)
+
+
+def length_recipe(base: Recipe, length: int) -> Recipe:
+    """The base recipe at one length: data.max_seq_len, and past the checkpoint's native positions the
+    recipe's own rope scaling (linear, LongLoRA's position interpolation, at the factor that covers the
+    length) unless the recipe already sets one. The step's cost does not depend on the scaling type."""
     data = base.model_dump(mode="json")
-    data["model"]["path"] = str(model_dir)
     data["data"]["max_seq_len"] = max(length, data["data"]["max_seq_len"])
+    native = native_positions(base.model.path)
+    if native and length > native and data["model"].get("rope_scaling") is None:
+        data["model"]["rope_scaling"] = {"type": "linear", "factor": "auto"}
     return recipe_from_dict(data, "bench step recipe")
 
 
@@ -350,7 +335,7 @@ def run_step_bench(recipe_path: Path, model_dir: Path, plan: StepPlan, out: Path
 
     plan.check()
     recipe = bench_recipe(recipe_path, model_dir, plan, overrides or [])
-    base = length_recipe(recipe, recipe.model.path, max(plan.lengths))  # the data read once, up to the longest
+    base = length_recipe(recipe, max(plan.lengths))  # the data read once, up to the longest
     corpus = load_corpus(base.data, load_tokenizer(base), progress=False)
     device = torch.device(plan.device)
     accelerator = make_accelerator(base, cpu=plan.device == "cpu")
@@ -359,7 +344,7 @@ def run_step_bench(recipe_path: Path, model_dir: Path, plan: StepPlan, out: Path
     result = _result_header(base, plan, device)
     out.parent.mkdir(parents=True, exist_ok=True)
     for length, repeats in zip(plan.lengths, plan.repeats):
-        recipe = length_recipe(base, rope_scaled_model(Path(base.model.path), length, work), length)
+        recipe = length_recipe(base, length)
         tokens = bench_tokens(corpus, length)
         run = LengthRun(recipe, accelerator, probe)
         layers = len(run.layers)

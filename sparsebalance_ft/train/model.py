@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..hub import hub_failure, is_hub_id
+from ..hub import hub_failure, is_hub_id, no_hub_kernels_offline
 from ..recipe import Recipe
 from .rope import apply_rope, check_rope_record, load_model_config, recipe_rope, resolve_rope, rope_parameters_of
 
@@ -93,6 +93,7 @@ def load_base_model(recipe: Recipe):
         from ..attention import register_sparse_attention
 
         register_sparse_attention()
+    no_hub_kernels_offline()
     try:
         config = load_model_config(path)
         apply_rope(config, resolve_rope(recipe, config))

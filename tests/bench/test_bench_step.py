@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sparsebalance_ft.bench.step import StepPlan, amdahl_ceiling, rope_scaled_model, run_step_bench
+from sparsebalance_ft.bench.step import StepPlan, amdahl_ceiling, length_recipe, run_step_bench
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "bench-step.yaml"
 FIELDS = ("length", "arm", "step_s", "tokens_per_s", "speedup_vs_dense", "loss_gap", "kept_density", "peak_mem_bytes",
@@ -63,19 +63,18 @@ def test_ceiling_from_measured_share_and_density(quick_result):
     assert amdahl_ceiling(0.8, 0.25) == pytest.approx(2.5) and amdahl_ceiling(0.0, 0.1) == 1.0
 
 
-def test_rope_scaled_copy_only_past_the_native_length(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 8192,
-                                                   "rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}}))
-    (model / "model.safetensors").write_bytes(b"weights")
-    assert rope_scaled_model(model, 8192, tmp_path / "work") == model
-    scaled = rope_scaled_model(model, 20000, tmp_path / "work")
-    config = json.loads((scaled / "config.json").read_text())
-    assert config["rope_parameters"] == {"rope_theta": 1e5, "rope_type": "linear", "factor": 3.0}
-    assert config["max_position_embeddings"] == 3 * 8192 >= 20000
-    assert (scaled / "model.safetensors").read_bytes() == b"weights"
-    assert json.loads((model / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"
+def test_lengths_past_the_native_positions_get_the_recipes_rope_scaling(tmp_path, tiny_model_dir):
+    from sparsebalance_ft.recipe import recipe_from_dict
+
+    native = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    base = recipe_from_dict({"model": {"path": str(tiny_model_dir)}, "data": {"path": str(tmp_path)}})
+    assert length_recipe(base, native).model.rope_scaling is None
+    longer = length_recipe(base, 3 * native - 1)
+    assert longer.data.max_seq_len == 3 * native - 1
+    assert (longer.model.rope_scaling.type, longer.model.rope_scaling.factor) == ("linear", "auto")
+    yarn = recipe_from_dict({**base.model_dump(mode="json"), "model": {"path": str(tiny_model_dir),
+                                                                        "rope_scaling": {"type": "yarn"}}})
+    assert length_recipe(yarn, 2 * native).model.rope_scaling.type == "yarn"  # the recipe's own choice stays
 
 
 @pytest.mark.parametrize("args, says", [

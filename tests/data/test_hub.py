@@ -85,3 +85,19 @@ def test_offline_train_on_a_hub_id_exits_2_with_one_line(write_recipe, tmp_path)
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "nobody-here/no-such-dataset: not a local path; as a Hugging Face Hub dataset id it could not be loaded:" in lines[0]
     assert "offline" in lines[0]
+
+
+def test_offline_runs_never_reach_for_hub_kernels(monkeypatch):
+    from sparsebalance_ft.hub import no_hub_kernels_offline
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    no_hub_kernels_offline()
+    assert os.environ["USE_HUB_KERNELS"] == "NO"
+    monkeypatch.setenv("USE_HUB_KERNELS", "YES")  # the user's own choice stands
+    no_hub_kernels_offline()
+    assert os.environ["USE_HUB_KERNELS"] == "YES"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.delenv("USE_HUB_KERNELS")
+    no_hub_kernels_offline()
+    assert "USE_HUB_KERNELS" not in os.environ
