@@ -157,3 +157,19 @@ def test_one_rank_trains_unsharded_with_a_note(write_recipe, tmp_path, capsys):
     assert summary["steps"] == 2
     assert "note: training.sharding: fsdp on one rank has nothing to shard over: training unsharded" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoint-2" / "sharded").exists()
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_shards_and_saves_the_whole_model(write_recipe, tmp_path, tiny_model_dir):
+    """`lora.enabled: false` trains every weight; the saved model is gathered whole from the shards."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_recipe(lora={"enabled": False}, training={"sharding": "fsdp", "max_steps": 2})
+    result = _sbft_train(path, "--nproc", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "adapter", dtype=torch.float32)
+    trained_params = dict(trained.named_parameters())
+    for name, p in base.named_parameters():
+        assert trained_params[name].shape == p.shape, name
+    assert not torch.equal(trained_params["model.layers.0.mlp.up_proj.weight"], base.model.layers[0].mlp.up_proj.weight)
