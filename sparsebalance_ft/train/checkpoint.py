@@ -9,8 +9,8 @@ loads, and resuming falls back to the newest intact checkpoint.
 
 A sharded model (`training.sharding: fsdp`) adds `sharded/`, where every rank writes its shards
 of the trainable weights and their optimizer state with torch distributed checkpoint (which
-reshards on load, so a run may resume on another rank count); `trainable_weights.pt` is then
-gathered whole, so evaluation reads it as from any run.
+would reshard on load; the batch sampler, though, resumes only on the rank count it was saved
+with); `trainable_weights.pt` is then gathered whole, so evaluation reads it as from any run.
 
 Checkpoints assume a filesystem that every rank shares (rank 0 writes the marker after every
 rank has written its files into the same folder).
@@ -146,6 +146,23 @@ def save_adapter(model: torch.nn.Module, adapter_dir: Path, tokenizer, is_main: 
         tokenizer.save_pretrained(adapter_dir)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def restore_trainable(model: torch.nn.Module, path: Path) -> None:
+    """Load weights saved by `trainable_state` back into `model`, refusing names it lacks."""
+    from peft import PeftModel, set_peft_model_state_dict
+
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(model, PeftModel):
+        unexpected = set_peft_model_state_dict(model, saved).unexpected_keys
+    else:
+        unexpected = [name for name in saved if name not in dict(model.named_parameters())]
+        if not unexpected:
+            model.load_state_dict(saved, strict=False)
+    if unexpected:
+        raise CheckpointMismatchError(
+            f"{path}: holds weights the recipe's model lacks (e.g. {unexpected[0]}); check the lora settings"
+        )
 
 
 def _prune(output_dir: str | Path, step: int, keep: int) -> None:

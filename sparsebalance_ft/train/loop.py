@@ -4,6 +4,10 @@ Per optimizer step every rank (1) takes its micro-batches from the step's plan, 
 rank computes identically, (2) asks the balancer for its attention budget, (3) runs its
 micro-batches, (4) waits for the slowest rank and sums gradients, (5) steps the optimizer and
 (6) reports timings and densities, which feed the density statistics for the next plan.
+
+With `training.sharding: fsdp` (two ranks or more) the model is sharded after loading
+(`sharding.py`): its gradients are reduce-scattered inside (3), and its optimizer and checkpoint
+state are each rank's shards rather than accelerate's.
 """
 from __future__ import annotations
 

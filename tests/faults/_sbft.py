@@ -38,7 +38,8 @@ def start_sbft(*args, env=None) -> subprocess.Popen:
 
 def error_lines(stderr: str) -> list[str]:
     """stderr without progress output: the lines a user reads as the verdict."""
-    return [line for line in stderr.splitlines() if line.strip() and not line.startswith(("step ", "data:", "Loading weights", "setup:", "changed from the defaults:"))]
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith(
+        ("step ", "data:", "Loading weights", "setup:", "changed from the defaults:", "memory rank "))]
 
 
 def one_error_line(result, code: int = 2) -> str:

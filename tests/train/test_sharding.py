@@ -20,7 +20,8 @@ HELPER = Path(__file__).with_name("_sharded_adapter.py")
 SPARSE_LAYER_TUNED = {
     "model": {"attn_implementation": "sparsebalance", "gradient_checkpointing": True},
     "sparsity": {"k_max": 4, "k_min": 2, "block_size": 16, "recall_samples": 1},
-    "balance": {"batching": "length-grouped", "tuning": "layer", "lookahead_steps": 2},
+    # target fastest: here the layer tuner moves about a quarter of the kept blocks every step
+    "balance": {"batching": "length-grouped", "tuning": "layer", "lookahead_steps": 2, "target": "fastest"},
     "lora": {"modules_to_save": ["norm"]},
     # 12 documents, 2 held out: half the steps give the ranks different micro-batch counts (padding forwards)
     "data": {"max_documents": 12, "max_seq_len": 256, "eval_split": 0.15},
@@ -86,6 +87,7 @@ def test_sharded_training_equals_unsharded_step_by_step(write_recipe, tmp_path):
     plain, sharded = tmp_path / "none", tmp_path / "fsdp"
     assert len(_losses(sharded)) == steps
     assert _losses(sharded) == pytest.approx(_losses(plain), abs=1e-4)
+    assert all(row["layer_moved_share"] > 0.05 for row in read_metrics(sharded / "metrics.jsonl"))
     evals = [[row["eval_loss"] for row in read_metrics(out / "metrics.jsonl") if "eval_loss" in row] for out in (plain, sharded)]
     assert len(evals[0]) == 2 and evals[1] == pytest.approx(evals[0], abs=1e-4)
 
@@ -155,3 +157,19 @@ def test_one_rank_trains_unsharded_with_a_note(write_recipe, tmp_path, capsys):
     assert summary["steps"] == 2
     assert "note: training.sharding: fsdp on one rank has nothing to shard over: training unsharded" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoint-2" / "sharded").exists()
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_shards_and_saves_the_whole_model(write_recipe, tmp_path, tiny_model_dir):
+    """`lora.enabled: false` trains every weight; the saved model is gathered whole from the shards."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_recipe(lora={"enabled": False}, training={"sharding": "fsdp", "max_steps": 2})
+    result = _sbft_train(path, "--nproc", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "adapter", dtype=torch.float32)
+    trained_params = dict(trained.named_parameters())
+    for name, p in base.named_parameters():
+        assert trained_params[name].shape == p.shape, name
+    assert not torch.equal(trained_params["model.layers.0.mlp.up_proj.weight"], base.model.layers[0].mlp.up_proj.weight)
