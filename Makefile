@@ -34,7 +34,7 @@ $(REAL)/sbft_model.json: | install
 demo: install $(REAL)/sbft_model.json
 	rm -rf $(RUNS)/demo
 	$(SBFT) train recipes/demo.yaml --nproc 2 --set data.path=$(STDLIB) --set model.path=$(REAL)
-	$(SBFT) bench heldout recipes/demo.yaml --run $(RUNS)/demo --tokens 2048 --set data.path=$(STDLIB) --set model.path=$(REAL)
+	$(SBFT) bench heldout recipes/demo.yaml --run $(RUNS)/demo --docs 2 --tokens 1024 --set data.path=$(STDLIB) --set model.path=$(REAL)
 	$(SBFT) report $(RUNS)/demo
 
 # --- benchmarks (each writes JSON under bench_results/; figures are quoted in the README) ---
