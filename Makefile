@@ -37,7 +37,7 @@ demo: install $(REAL)/sbft_model.json
 	$(SBFT) bench heldout recipes/demo.yaml --run $(RUNS)/demo --docs 2 --tokens 1024 --set data.path=$(STDLIB) --set model.path=$(REAL)
 	$(SBFT) report $(RUNS)/demo
 
-# --- benchmarks (each writes JSON under bench_results/; figures are quoted in the README) ---
+# --- benchmarks (each writes JSON under bench_results/; figures are quoted in docs/benchmarks/ and the README's results table) ---
 BENCH   := bench_results
 TINY    := --set model.path=$(MODEL) --set data.path=$(STDLIB)
 PROFILE := $(RUNS)/tiny-llama-profile.json
