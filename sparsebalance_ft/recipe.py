@@ -434,7 +434,7 @@ def _reference_table(title: str, section: type[_Section]) -> list[str]:
 
 
 def reference_markdown() -> str:
-    """The README's recipe reference, generated from the schema (a test keeps the README equal to it)."""
+    """docs/recipe.md's key reference, generated from the schema (tests/test_readme.py keeps the page equal to it)."""
     lines = []
     for section, field in Recipe.model_fields.items():
         lines += _reference_table(section, field.annotation)
