@@ -247,15 +247,15 @@ def summary(result: dict[str, Any], plan: ExtendPlan) -> dict[str, Any]:
     issue's targets, each with the numbers it compares."""
     key = str(plan.train_len)
     out: dict[str, Any] = {"length": plan.train_len}
-    untrained = result.get("before", {}).get("untrained", {})
-    if untrained:
+    untrained = {kind: row for kind, row in result.get("before", {}).get("untrained", {}).items() if key in row["loss"]}
+    if untrained:  # empty when the training length was not among the evaluation lengths
         best = min(untrained, key=lambda kind: untrained[kind]["loss"][key]["second_half"])
         out.update(best_untrained=best, best_untrained_loss_16k=untrained[best]["loss"][key]["second_half"],
                    best_untrained_passkey_16k=max(untrained[k]["passkey"]["lengths"].get(key, {}).get("accuracy", 0.0)
                                                   for k in untrained))
     after, arms = result.get("after", {}), result.get("finetune", {}).get("arms", {})
     for name in ARMS:
-        if name in after:
+        if name in after and key in after[name]["loss"]:
             out[f"{name}_arm_loss_16k"] = after[name]["loss"][key]["second_half"]
             out[f"{name}_arm_passkey_16k"] = after[name]["passkey"]["lengths"].get(key, {}).get("accuracy")
         if name in arms:
@@ -265,7 +265,8 @@ def summary(result: dict[str, Any], plan: ExtendPlan) -> dict[str, Any]:
     checks = {}
     if "finetuned_loss_16k" in out and "best_untrained_loss_16k" in out:
         checks["finetuned_below_best_untrained"] = out["finetuned_loss_16k"] < out["best_untrained_loss_16k"]
-        checks["finetuned_passkey_at_least_untrained"] = out["sparse_arm_passkey_16k"] >= out["best_untrained_passkey_16k"]
+        if out["sparse_arm_passkey_16k"] is not None:  # None: the passkey grid has no prompt at the training length
+            checks["finetuned_passkey_at_least_untrained"] = out["sparse_arm_passkey_16k"] >= out["best_untrained_passkey_16k"]
     if "sparse_arm_loss_16k" in out and "dense_arm_loss_16k" in out:
         out["sparse_vs_dense_loss"] = out["sparse_arm_loss_16k"] / out["dense_arm_loss_16k"] - 1.0
         checks["sparse_loss_within_1pct"] = abs(out["sparse_vs_dense_loss"]) <= 0.01
