@@ -149,10 +149,11 @@ def embedding_and_norm_modules(model: torch.nn.Module) -> list[str]:
 
 
 def _trains_tied_embeddings(model: torch.nn.Module, full: list[str]) -> bool:
+    """The head shares the input embedding's weight and modules_to_save names the embedding (peft's suffix match)."""
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head is not None and head.weight is embedding.weight
-    names = {name for name, module in model.named_modules() if module is embedding}
-    return tied and any(name in names for name in full)
+    names = [name for name, module in model.named_modules() if module is embedding]
+    return tied and any(name.endswith(entry) for name in names for entry in full)
 
 
 def full_training_summary(model: torch.nn.Module) -> str | None:
@@ -164,7 +165,7 @@ def full_training_summary(model: torch.nn.Module) -> str | None:
     count = sum(p.numel() for p in params.values())
     weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
     mib = 4 * weight_bytes / 2**20
-    return (f"trained in full beside LoRA: {count:,} parameters ({mib:.0f} MiB with gradients and AdamW state)")
+    return f"trained in full beside LoRA: {count:,} parameters ({mib:.0f} MiB with gradients and AdamW state)"
 
 
 def load_model(recipe: Recipe, adapter_dir: str | Path | None = None, trainable: bool = True):

@@ -3,6 +3,7 @@ trained on, and the quick plan runs every section on the tiny model into extend.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 
 from sparsebalance_ft.bench.extend import ExtendPlan, loss_by_position, run_extend_bench
 from sparsebalance_ft.bench.extend_data import HELDOUT_GLOB, TRAIN_GLOB, long_texts, source_files, write_training_jsonl
+
+RECIPE = Path(__file__).parents[2] / "recipes" / "extend-smollm2.yaml"
 
 
 def test_loss_by_position_is_the_forwards_cross_entropy_per_bucket(tiny_model):
@@ -41,7 +44,7 @@ def test_training_and_heldout_documents_come_from_different_files(tiny_tokenizer
 def test_the_quick_plan_writes_every_section(tmp_path):
     out = tmp_path / "out"
     result = run_extend_bench(
-        __import__("pathlib").Path("recipes/extend-smollm2.yaml"), out, tmp_path / "work",
+        RECIPE, out, tmp_path / "work",
         ["before", "finetune", "after"], ExtendPlan.make_quick(), say=lambda line: None)
     saved = json.loads((out / "extend.json").read_text())
     assert set(saved["before"]["untrained"]) == {"native", "linear", "dynamic", "yarn"}
