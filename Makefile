@@ -159,7 +159,8 @@ bench-step: install $(REAL)/sbft_model.json
 bench-memory-selection: install
 	$(SBFT) bench memory --workload selection --selection-tokens 16384,32768,65536 --out $(BENCH)/memory/selection.json
 
-# On a machine with a CUDA GPU, one command (under ten minutes on an H200) ending in one JSON: the Triton kernel's
+# On a machine with a CUDA GPU, one command ending in one JSON (sized for ten minutes on an H200 from the parts
+# timed there; never yet run whole): the Triton kernel's
 # tests compiled, one attention layer per sparse backend (bf16, fwd+bwd, also keeping every block), the whole
 # training step of SmolLM2 per backend from 4K to 64K tokens, then the headline of each file. On a machine whose
 # python already holds a CUDA torch: `make -o install gpu-check PY=python3 SBFT="python3 -m sbft_cli.app"`.
