@@ -154,6 +154,20 @@ bench-step: install $(REAL)/sbft_model.json
 	$(SBFT) bench step --model $(REAL) --lengths 4096,8192,16384,32768 --repeats 3,3,3,2 \
 		--out $(BENCH)/step/step.json --work $(RUNS)/bench-step
 
+# Sharded against unsharded on two gloo ranks: SmolLM2-135M, 5 steps of one 2,048-token document per rank, the
+# default method (sparse attention, layer tuning). Each run's per-rank memory (memory.json) and losses (losses.jsonl).
+SHARDING_RUN := --nproc 2 --overwrite --set model.path=$(REAL) --set data.path=$(STDLIB) --set data.max_seq_len=2048 \
+		--set data.min_seq_len=2048 --set data.too_long=truncate --set data.max_documents=60 --set data.eval_split=null \
+		--set training.eval_every=null --set training.max_steps=5 --set training.log_every=1
+.PHONY: bench-sharding
+bench-sharding: install $(REAL)/sbft_model.json
+	for s in none fsdp; do \
+		$(SBFT) train recipes/demo.yaml $(SHARDING_RUN) --set training.sharding=$$s --set training.output_dir=$(RUNS)/sharding-$$s \
+			|| exit 1; \
+		mkdir -p $(BENCH)/sharding/$$s && cp $(RUNS)/sharding-$$s/memory.json $(BENCH)/sharding/$$s/ \
+			&& cp $(RUNS)/sharding-$$s/metrics.jsonl $(BENCH)/sharding/$$s/losses.jsonl || exit 1; \
+	done
+
 # Temporary memory of one layer's block selection at 16K/32K/64K tokens (seconds).
 .PHONY: bench-memory-selection
 bench-memory-selection: install
