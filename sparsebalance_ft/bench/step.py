@@ -202,9 +202,11 @@ class LengthRun:
                       probe.syncs, probe.attention_syncs)
 
     def close(self) -> None:
+        """Release this length's model and optimizer (the accelerator holds the prepared optimizer: without
+        `free_memory`, every earlier length's weights would stay allocated and count in the next peaks)."""
         self.model.set_attn_implementation("sdpa")
         del self.model, self.optimizer, self.params, self._weights
-        gc.collect()
+        self.accelerator.free_memory()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
