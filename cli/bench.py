@@ -44,6 +44,7 @@ def attention(
     backend: str = typer.Option("auto", help="auto, torch, flex or triton."),
     dense: bool = typer.Option(True, "--dense/--no-dense", help="Also time dense SDPA (off: memory checks at long lengths)."),
     kernel_at_full: bool = typer.Option(False, help="Also time the sparse kernel keeping every block."),
+    clock: str = typer.Option("wall", help="wall, or cpu: this process's CPU time (CPU, with OMP_NUM_THREADS=1) on a shared machine."),
     out: Path | None = typer.Option(None, "--out", help="Write the results as JSON here."),
 ) -> None:
     """Time sparse vs dense attention and print a table (speedup, ideal speedup, memory, selection share)."""
@@ -61,6 +62,8 @@ def attention(
         raise UserError(f"--dtype: unknown {dtype!r}")
     if backend not in ("auto", "torch", "flex", "triton"):
         raise UserError(f"--backend: unknown {backend!r}")
+    if clock not in ("wall", "cpu") or (clock == "cpu" and device != "cpu"):
+        raise UserError(f"--clock: wall, or cpu on --device cpu (got {clock!r} on {device})")
     try:
         SparsityConfig(block_size=block_size)
     except ValueError as e:
@@ -71,7 +74,7 @@ def attention(
         console.print(f"  L={length} density={density:g}: sparse {sparse_s:.2f}s{d}", highlight=False)
 
     result = run_attention_bench(lens, dens, repeats, heads, kv_heads, head_dim, block_size, dtype, device, backend,
-                                 dense, kernel_at_full, progress=progress)
+                                 dense, kernel_at_full, progress=progress, clock=clock)
     s = result["setup"]
     table = Table(title=f"attention fwd+bwd: {s['heads']} q heads, {s['kv_heads']} kv heads, head_dim {s['head_dim']}, "
                         f"block {s['block_size']}, {s['dtype']}, {s['device']} ({s['torch_threads']} threads)")

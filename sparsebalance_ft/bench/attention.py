@@ -147,37 +147,37 @@ def _inputs(length: int, heads: int, kv_heads: int, head_dim: int, dtype, device
     return [t.requires_grad_(t is not go) for t in (q, k, v)] + [go]
 
 
-def _dense_step(q, k, v, go, device):
-    t = time.perf_counter()
+def _dense_step(q, k, v, go, device, now=time.perf_counter):
+    t = now()
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     o.backward(go)
     _sync(device)
-    return time.perf_counter() - t
+    return now() - t
 
 
-def _sparse_step(q, k, v, go, cfg: SparsityConfig, density: float, full_route: bool, device):
+def _sparse_step(q, k, v, go, cfg: SparsityConfig, density: float, full_route: bool, device, now=time.perf_counter):
     """Returns (total seconds, selection seconds, achieved density, route)."""
     bs = cfg.block_size
     length = q.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1])
-    t0 = time.perf_counter()
+    t0 = now()
     if density >= 1.0 and full_route:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         o.backward(go)
         _sync(device)
-        return time.perf_counter() - t0, 0.0, 1.0, "dense-sdpa"
+        return now() - t0, 0.0, 1.0, "dense-sdpa"
     layout = make_layout([length], bs, q.device)
     sel = SparseAttentionController(cfg).select(q[0].detach(), k[0].detach(), layout, cfg.budget, scale,
                                                 force_density=min(density, 1.0))
     backend = resolve_backend(cfg.backend, q.device)
     plan = make_plan(sel.indices[None], sel.counts[None], layout.num_blocks, cfg.chunk_blocks) if backend == "torch" else None
     _sync(device)
-    t_sel = time.perf_counter() - t0
+    t_sel = now() - t0
     o = _kernel(q, k, v, sel.indices[None], sel.counts[None], block_size=bs, scale=scale, backend=backend,
                 chunk_blocks=cfg.chunk_blocks, plan=plan)
     o.backward(go)
     _sync(device)
-    total = time.perf_counter() - t0
+    total = now() - t0
     achieved = float(sel.counts.sum()) / float(sel.causal.sum() * sel.counts.shape[0])
     return total, t_sel, achieved, "full-kernel" if density >= 1.0 else f"sparse-{backend}"
 
@@ -198,8 +198,15 @@ def run_attention_bench(
     warmup: bool = True,
     seed: int = 0,
     progress=None,
+    clock: str = "wall",
 ) -> dict:
-    """Time sparse vs dense attention (one layer, forward + backward). Returns a JSON-able dict."""
+    """Time sparse vs dense attention (one layer, forward + backward). Returns a JSON-able dict.
+
+    `clock="cpu"` times with this process's CPU time (CPU only, meant for one torch thread): on a machine
+    shared with other jobs it measures the work itself, not the time spent waiting for a core."""
+    from ..profiling.profiler import CLOCKS
+
+    now = CLOCKS[clock]
     dev = torch.device(device)
     dt = getattr(torch, dtype)
     if dev.type == "cpu":
@@ -226,14 +233,14 @@ def run_attention_bench(
                         t.grad = None
                     gc.collect()
                     with PeakMemory(dev) as mem:
-                        dense_times.append(_dense_step(q, k, v, go, dev))
+                        dense_times.append(_dense_step(q, k, v, go, dev, now))
                     if mem.peak_mb is not None:
                         dense_peak.append(mem.peak_mb)
                 for t in (q, k, v):
                     t.grad = None
                 gc.collect()
                 with PeakMemory(dev) as mem:
-                    res = _sparse_step(q, k, v, go, cfg, case[0], case[1], dev)
+                    res = _sparse_step(q, k, v, go, cfg, case[0], case[1], dev, now)
                 per_case[case].append((*res, mem.peak_mb))
                 if progress is not None:
                     progress(length, case[0], res[0], dense_times[-1] if dense else None)
@@ -263,6 +270,7 @@ def run_attention_bench(
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
             "dense": "torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)",
             "measured": "forward + backward of one attention layer, sparse and dense alternately",
+            "clock": "process CPU time" if clock == "cpu" else "wall clock",
         },
         "rows": [asdict(r) for r in rows],
     }

@@ -12,7 +12,7 @@ loss and precision), and varies only the attention:
   block and runs the exact dense route, so it must match `dense` in time and loss).
 
 Per length, every arm steps once on a short warm-up, then the arms run interleaved, one step each per
-repeat, so that drifting load from elsewhere hits every arm alike. Before each step the trainable weights
+repeat, in an order that reverses every repeat, so that drifting load from elsewhere hits every arm alike. Before each step the trainable weights
 and the optimizer state are put back to where they started, so every arm's step sees the same weights and
 the same tokens: the loss gap to dense is the attention's effect alone. `StepProbe` (bench/step_probe.py)
 measures inside every timed step where the time goes (attention, selection, kernel forward and backward,
@@ -187,9 +187,11 @@ class LengthRun:
                       probe.syncs, probe.attention_syncs)
 
     def close(self) -> None:
+        """Release this length's model and optimizer (the accelerator holds the prepared optimizer: without
+        `free_memory`, every earlier length's weights would stay allocated and count in the next peaks)."""
         self.model.set_attn_implementation("sdpa")
         del self.model, self.optimizer, self.params, self._weights
-        gc.collect()
+        self.accelerator.free_memory()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -356,7 +358,8 @@ def run_step_bench(recipe_path: Path, model_dir: Path, plan: StepPlan, out: Path
         say(f"L={length}: warmed up; {repeats} repeat(s) of {len(plan.arms)} arms")
         samples: dict[str, list[Sample]] = {arm: [] for arm in plan.arms}
         for r in range(repeats):
-            for arm in plan.arms:
+            # the order reverses every repeat (A B C, C B A, ...): a load that drifts over the run hits every arm alike
+            for arm in plan.arms if r % 2 == 0 else plan.arms[::-1]:
                 sample = run.step(arm, tokens)
                 samples[arm].append(sample)
                 say(f"  L={length} repeat {r + 1}/{repeats} {arm:>5}: {sample.step_s:.2f}s loss {sample.loss:.4f} "

@@ -60,3 +60,21 @@ def test_gradient_checkpointing_recompute_is_not_counted(tmp_path):
     model(input_ids=ids, labels=ids).loss.backward()
     rep = ctl.pop_report()
     assert rep.forwards == 1 and len(rep.doc_densities) == 1
+
+
+def test_cpu_clock_counts_this_process_work_only(monkeypatch):
+    """--clock cpu reads process CPU time: a sleep inside the timed call (time lost to other jobs) adds nothing."""
+    import time
+
+    import sparsebalance_ft.bench.attention as bench
+
+    sdpa = bench.F.scaled_dot_product_attention
+
+    def slow_sdpa(*args, **kwargs):
+        time.sleep(0.3)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(bench.F, "scaled_dot_product_attention", slow_sdpa)
+    common = dict(lengths=[128], densities=[1.0], repeats=1, heads=2, kv_heads=1, head_dim=16, warmup=False)
+    wall, cpu = run_attention_bench(**common)["rows"][0], run_attention_bench(**common, clock="cpu")["rows"][0]
+    assert wall["dense_s"] >= 0.3 and cpu["dense_s"] < 0.3
