@@ -78,8 +78,9 @@ def markdown(result: SimResult) -> str:
 def against_peer_markdown(results: Sequence[SimResult], policy: str = "sparsebalance") -> str:
     """One line per (ranks, documents per rank, knowledge, tuning): `policy` against the best fair peer."""
     lines = ["| ranks | docs/rank | knowledge | tuning | look-ahead | step time (s) | best peer | peer step time (s) "
-             "| speedup vs peer | budget (ours / peer) | budget spread (ours / peer) | bubble (ours / peer) | attention share |",
-             "|---:|---:|---|---|---:|---:|---|---:|---:|---|---|---|---:|"]
+             "| speedup vs peer | vs peer untuned | budget (ours / peer) | budget spread (ours / peer) | bubble (ours / peer) "
+             "| attention share |",
+             "|---:|---:|---|---|---:|---:|---|---:|---:|---:|---|---|---|---:|"]
     for res in results:
         cfg = res.config
         for r in res.rows:
@@ -88,6 +89,7 @@ def against_peer_markdown(results: Sequence[SimResult], policy: str = "sparsebal
             p = res.row(r.peer, r.tuning)
             lines.append(f"| {cfg.world_size} | {cfg.docs_per_rank} | {cfg.knowledge} | {r.tuning} | {r.lookahead} "
                          f"| {_fmt_s(r.step_time)} | {p.policy} | {_fmt_s(p.step_time)} | **{r.vs_peer:.3f}x** "
+                         f"| {r.vs_peer_untuned:.3f}x "
                          f"| {r.mean_budget:.3f} / {p.mean_budget:.3f} | {r.budget_spread:.3f} / {p.budget_spread:.3f} "
                          f"| {100 * r.bubble:.1f}% / {100 * p.bubble:.1f}% | {100 * r.attention_share:.1f}% |")
     return "\n".join(lines)
