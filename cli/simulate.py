@@ -180,6 +180,9 @@ def register(app: typer.Typer) -> None:
         if len(results) > 1 and "sparsebalance" in policy_names:
             tables.append("### sparsebalance against the best fair peer\n\n" + rep.against_peer_markdown(results))
             console.print(rep.against_peer_markdown(results), highlight=False, markup=False)
+            if markdown and "layer" in modes and peer_names:
+                tables.append("### sparsebalance against each peer (untuned), and with layer DST against the best\n\n"
+                              + rep.each_peer_markdown(results))
         extra = {"source": source, "density_model": {"mean": dm.mean, "sigma": dm.sigma,
                  "length_exponent": dm.length_exponent, "predicted_r2": dm.predicted_r2,
                  "calibration": calibration.to_dict() if calibration else None}, "lengths_summary": {"count": int(L.size), "median": float(p[0]), "p90": float(p[1]),

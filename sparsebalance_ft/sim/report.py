@@ -166,3 +166,25 @@ def plot_speedup(results: Sequence[SimResult], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def each_peer_markdown(results: Sequence[SimResult], policy: str = "sparsebalance", tuned: str = "layer") -> str:
+    """One line per (ranks, documents per rank, knowledge): `policy` untuned against every peer untuned, and
+    `policy` under `tuned` against the best of them untuned (DST is the method's own; the peer has none)."""
+    peers = results[0].config.peers if results else ()
+    lines = ["| ranks | docs/rank | knowledge | look-ahead | " + " | ".join(f"vs {p}" for p in peers)
+             + f" | {policy} + {tuned} vs best peer untuned | bubble: best peer / {policy} / + {tuned} | attention share |",
+             "|---:|---:|---|---:|" + "---:|" * len(peers) + "---:|---|---:|"]
+    for res in results:
+        cfg = res.config
+        try:
+            ours, ours_tuned = res.row(policy), res.row(policy, tuned)
+            others = [res.row(p) for p in peers]
+        except KeyError:
+            continue
+        best = min(others, key=lambda r: r.epoch_time)
+        cells = " | ".join(f"{p.epoch_time / ours.epoch_time:.3f}x" for p in others)
+        lines.append(f"| {cfg.world_size} | {cfg.docs_per_rank} | {cfg.knowledge} | {ours.lookahead} | {cells} "
+                     f"| **{best.epoch_time / ours_tuned.epoch_time:.3f}x** | {100 * best.bubble:.1f}% / "
+                     f"{100 * ours.bubble:.1f}% / {100 * ours_tuned.bubble:.1f}% | {100 * ours.attention_share:.1f}% |")
+    return "\n".join(lines)

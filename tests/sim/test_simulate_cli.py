@@ -159,5 +159,6 @@ def test_peers_option_and_markdown_tables(tmp_path):
     assert {r["peer"] for r in rows} <= {"tokens", "verl"} and all(r["vs_peer_untuned"] > 0 for r in rows)
     tables = (out / "tables.md").read_text()
     assert "vs peer untuned" in tables and "4 ranks, 2 documents per rank" in tables
+    assert "| vs tokens | vs verl | sparsebalance + layer vs best peer untuned |" in tables
     assert "--peers 'kk-length'" in one_line_error(run("--synthetic", "10", "--policies", "verl,sparsebalance",
                                                        "--peers", "kk-length"))
