@@ -108,8 +108,7 @@ def test_kinds_come_from_what_the_files_are(sections):
     assert {s.source for s in by_kind["templated"]} == {"encodings.cp1252", "encodings.cp437"}  # gencodec.py output
     assert {s.source for s in by_kind["prose"]} == {f"topic:{name}" for name in TOPICS}
     docs = "\n".join(s.text for s in by_kind["documentation"])
-    import json as json_module
-    assert f"## json.loads\n\n{json_module.loads.__doc__.strip().splitlines()[0]}" in docs
+    assert f"## json.loads\n\n{json.loads.__doc__.strip().splitlines()[0]}" in docs
     assert all(s.text.startswith("# =====") for s in by_kind["code"])
     assert {s.source for s in by_kind["code"]} >= {"json", "tomllib", "bisect", "encodings"}
 
