@@ -181,20 +181,19 @@ def library_sections(stdlib: Path, count: TokenCounter) -> list[Section]:
 
 
 def _cut_lines(section: Section, max_tokens: int, count: TokenCounter) -> list[Section]:
-    """A section longer than `max_tokens` cut at line ends into pieces that each fit."""
-    if section.tokens <= max_tokens:
+    """A section longer than `max_tokens` cut at line ends into pieces that each fit (a single line
+    longer than that stays whole: there is no line end to cut at)."""
+    lines = section.text.splitlines(keepends=True)
+    if section.tokens <= max_tokens or len(lines) < 2:
         return [section]
     pieces = max(2, -(-section.tokens // max_tokens))
-    lines = section.text.splitlines(keepends=True)
-    out, start = [], 0
-    for i in range(1, pieces + 1):
-        end = round(len(lines) * i / pieces)
+    bounds = [round(len(lines) * i / pieces) for i in range(pieces + 1)]
+    out = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
         text = "".join(lines[start:end])
         if text:
-            out.append(Section(section.source, section.kind, text, count(text)))
-        start = end
-    return [p for piece in out for p in _cut_lines(piece, max_tokens, count)] if any(
-        p.tokens > max_tokens for p in out) else out
+            out += _cut_lines(Section(section.source, section.kind, text, count(text)), max_tokens, count)
+    return out
 
 
 def _parts(sections: list[Section], max_tokens: int) -> list[list[Section]]:

@@ -142,3 +142,16 @@ def test_real_library_reaches_16k_tokens_of_every_kind():
     kinds = {(r["split"], r["kind"]) for r in records}
     assert {("train", kind) for kind in KINDS} <= kinds and ("heldout", "code") in kinds
     assert max(r["tokens"] for r in records) >= 65536
+
+
+def test_a_long_section_is_cut_at_line_ends_and_a_single_line_stays_whole():
+    from sparsebalance_ft.data.long_documents import Section, _cut_lines
+
+    def words(text: str) -> int:
+        return len(text.split())
+
+    text = "".join(f"line {i} of four\n" for i in range(100))
+    pieces = _cut_lines(Section("m", "code", text, words(text)), 50, words)
+    assert "".join(p.text for p in pieces) == text and all(p.tokens <= 50 and p.text.endswith("\n") for p in pieces)
+    one_line = Section("m", "code", "word " * 500, 500)
+    assert _cut_lines(one_line, 50, words) == [one_line]
