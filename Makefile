@@ -109,6 +109,36 @@ simulate-default-density: install
 	$(SBFT) simulate --long-tail 8000 --max-len 131072 $(filter-out $(DENSITY_FROM),$(SIM_GRID)) \
 		--out $(BENCH)/simulate-long-tail-default-density
 
+# Balancing past 8K (issue 25): corpora whose lengths reach 32K-128K on the Llama-8B cost model, densities
+# calibrated on the real model; 1 and 4 documents per rank; token-balanced packing (tokens, kk-length) among the
+# fair peers beside length-grouped and verl; look-ahead 32 (reordering by length) and 1 (the step's documents
+# fixed, only their placement chosen). Tables in each folder's tables.md; findings in docs/benchmarks/long-context.md.
+LOOKAHEADS := 32 1
+LONG_GRID  := --ranks 8,64 --docs-per-rank 1,4 --knowledge none,remembered \
+		--policies tokens,kk-length,length-grouped,verl,sparsebalance --peers tokens,kk-length,length-grouped,verl \
+		--tuning none,bidirectional,layer --markdown $(DENSITY_FROM)
+.PHONY: simulate-long
+simulate-long: install
+	for la in $(LOOKAHEADS); do \
+		$(SBFT) simulate --synthetic 4000 --median 32768 --sigma 0.8 --max-len 131072 $(LONG_GRID) \
+			--lookahead-steps $$la --out $(BENCH)/simulate-long/lognormal-32k-lookahead$$la || exit 1; \
+		$(SBFT) simulate --long-tail 8000 --max-len 131072 $(LONG_GRID) \
+			--lookahead-steps $$la --out $(BENCH)/simulate-long/long-tail-lookahead$$la || exit 1; \
+	done
+
+# Kept density at 16K and 32K tokens by kind of text, on SmolLM2 read past its 8K positions (linear RoPE x4),
+# forward only; long documents from the standard library (`sbft data long-docs`). Tens of minutes on 2 CPU cores.
+.PHONY: bench-long-densities
+bench-long-densities: install $(REAL)/sbft_model.json
+	$(SBFT) bench long-densities --model $(REAL) --lengths 16384,32768 --docs 1 --rope-factor 4 --time-limit 720 \
+		--out $(BENCH)/long-densities/densities.json
+
+# Long documents (16K-128K tokens) for a recipe: train and held-out splits by source, from this Python's stdlib.
+.PHONY: long-docs
+long-docs: install $(REAL)/sbft_model.json
+	$(SBFT) data long-docs $(RUNS)/long-docs/train.jsonl --split train --tokenizer $(REAL)
+	$(SBFT) data long-docs $(RUNS)/long-docs/heldout.jsonl --split heldout --tokenizer $(REAL)
+
 $(PROFILE): | install $(MODEL)/config.json
 	$(SBFT) profile recipes/bench-balance.yaml $(TINY) --threads 1 --out $@
 

@@ -5,7 +5,7 @@ import warnings
 
 import typer
 
-from . import bench, eval, export, init_model, init_tiny, profile, report, simulate, synth, train
+from . import bench, data, eval, export, init_model, init_tiny, profile, report, simulate, synth, train
 from .common import exit_without_teardown
 
 # peft asks transformers a deprecated question on every LoRA wrap; the warning is not the user's to act on.
@@ -19,7 +19,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
-for command in (init_tiny, init_model, synth, train, export, profile, simulate, bench, eval, report):
+for command in (init_tiny, init_model, synth, data, train, export, profile, simulate, bench, eval, report):
     command.register(app)
 
 

@@ -445,5 +445,45 @@ def step(
     console.print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
+@bench_app.command("long-densities")
+@user_errors
+def long_densities(
+    model: Path = typer.Option(Path("runs/smollm2"), "--model", help="Real checkpoint folder (`sbft init-model smollm2 DIR`)."),
+    lengths: str = typer.Option("16384,32768", "--lengths", help="Document lengths in tokens, comma-separated."),
+    docs: str = typer.Option("2,1", "--docs", help="Documents per kind at each length (one number, or one per length)."),
+    rope_factor: Optional[float] = typer.Option(None, "--rope-factor", help="Linear RoPE factor [default: longest length / native positions]."),
+    time_limit: Optional[float] = typer.Option(None, "--time-limit", min=1, help="Stop after this many seconds (later lengths are cut first)."),
+    work: Path = typer.Option(Path("runs/long-densities"), "--work", help="Where the scaled model's folder is written."),
+    out: Path = typer.Option(Path("bench_results/long-densities/densities.json"), "--out", help="JSON to write (`sbft simulate --density-from` reads it)."),
+    append: bool = typer.Option(False, "--append", help="Keep the rows of an existing --out and measure only the documents it lacks."),
+) -> None:
+    """Per-document kept density past the native length, by kind of text (forward only, default budget)."""
+    from sparsebalance_ft.bench.long_densities import long_densities as measure
+    from sparsebalance_ft.errors import UserError
+
+    lens = [int(x) for x in _floats(lengths, "lengths")]
+    counts = [int(x) for x in _floats(docs, "docs")]
+    counts = counts * len(lens) if len(counts) == 1 else counts
+    if len(counts) != len(lens) or min(counts) < 1:
+        raise UserError(f"--docs {docs!r}: one positive count, or one per length ({len(lens)})")
+    if not (model / "config.json").is_file():
+        raise UserError(f"--model: not a Hugging Face checkpoint (no config.json): {model}")
+    native = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    factor = rope_factor or max(lens) / native
+    previous = json.loads(out.read_text()) if append and out.is_file() else None
+    result = measure(model, lens, counts, factor, work, time_limit=time_limit,
+                     say=lambda line: console.print(line, highlight=False), previous=previous)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    table = Table(title=f"kept density at budget {result['densities']['budget']:g}, {result['densities']['model']}")
+    for col in ("tokens", *result["densities"]["summary"]["by_kind"]):
+        table.add_column(col, justify="right")
+    for length, summary in result["densities"]["by_length"].items():
+        cells = [summary["by_kind"][k] for k in summary["by_kind"]]
+        table.add_row(length, *(f"{c['mean']:.3f} (n={c['n']})" if c["n"] else "-" for c in cells))
+    console.print(table)
+    console.print(f"wrote {out}")
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")

@@ -74,13 +74,14 @@ def register(app: typer.Typer) -> None:
         tolerance: float = typer.Option(0.05, "--tolerance", min=0.0, max=0.99,
                                         help="Ranks within this share above T* are not cut (balance.tolerance)."),
         grid_points: int = typer.Option(17, "--grid-points"),
+        peers: Optional[str] = typer.Option(None, "--peers", help="Policies whose fastest (same look-ahead, knowledge and tuning) is the fair peer every speedup is quoted against; add tokens,kk-length for token-balanced packing. Each must be in --policies [default: length-grouped,verl among them]."),
         lookahead_steps: int = typer.Option(32, "--lookahead-steps", min=1, help="Steps every look-ahead policy (length-grouped, verl, sparsebalance) regroups together; 1: none."),
         out: Optional[Path] = typer.Option(None, "--out", help="Write simulation.json, rank_load.png and speedup_vs_ranks.png here."),
         plot_steps: int = typer.Option(4, "--plot-steps", help="Steps shown in rank_load.png."),
         scale_check: bool = typer.Option(False, "--scale-check", help="Also time partitioning 100,000 documents over 1,024 ranks."),
-        markdown: bool = typer.Option(False, "--markdown", help="Print the tables as Markdown too."),
+        markdown: bool = typer.Option(False, "--markdown", help="Print the tables as Markdown too (and write them to --out's tables.md)."),
     ) -> None:
-        """Replay an epoch of every batching policy over simulated ranks; report step time, imbalance, bubble, and speedup vs the best fair peer (length-grouped or verl at the same look-ahead and tuning)."""
+        """Replay an epoch of every batching policy over simulated ranks; report step time, imbalance, bubble, and speedup vs the best fair peer (by default length-grouped or verl at the same look-ahead and tuning; see --peers)."""
         import numpy as np
 
         from sparsebalance_ft.batching import POLICIES
@@ -109,6 +110,12 @@ def register(app: typer.Typer) -> None:
         per_rank = _int_list(docs_per_rank, "--docs-per-rank")
         policy_names = _name_list(policies, "--policies", POLICIES)
         modes = _name_list(tuning, "--tuning", TUNING_MODES)
+        from sparsebalance_ft.batching import PEERS
+
+        peer_names = _name_list(peers, "--peers", POLICIES) if peers else tuple(p for p in PEERS if p in policy_names)
+        missing = [name for name in peer_names if name not in policy_names]
+        if missing:
+            raise SimInputError(f"--peers {missing[0]!r} is not among --policies; add it there")
 
         if lengths_file is not None:
             L, source = load_lengths(lengths_file), str(lengths_file)
@@ -158,18 +165,24 @@ def register(app: typer.Typer) -> None:
                          policies=policy_names, tuning=modes, knowledge=levels[0],  # type: ignore[arg-type]
                          default_budget=default_budget, min_budget=min_budget, max_budget=max_budget,
                          grid_points=grid_points, target=target, tolerance=tolerance, steps=steps,
-                         lookahead_steps=lookahead_steps, record_steps=plot_steps)
+                         lookahead_steps=lookahead_steps, peers=peer_names, record_steps=plot_steps)
         from dataclasses import replace
 
-        results = []
+        results, tables = [], []
         for R, dpr, level in [(R, d, k) for R in world_sizes for d in per_rank for k in levels]:
             res = simulate(L, cost, dm, replace(base, world_size=R, docs_per_rank=dpr, knowledge=level))
             results.append(res)
             console.print(rep.table(res))
             if markdown:
+                tables.append(f"### {R} ranks, {dpr} documents per rank, knowledge {level}, look-ahead {lookahead_steps}\n\n"
+                              + rep.markdown(res))
                 console.print(rep.markdown(res), highlight=False, markup=False)
         if len(results) > 1 and "sparsebalance" in policy_names:
+            tables.append("### sparsebalance against the best fair peer\n\n" + rep.against_peer_markdown(results))
             console.print(rep.against_peer_markdown(results), highlight=False, markup=False)
+            if markdown and "layer" in modes and peer_names:
+                tables.append("### sparsebalance against each peer (untuned), and with layer DST against the best\n\n"
+                              + rep.each_peer_markdown(results))
         extra = {"source": source, "density_model": {"mean": dm.mean, "sigma": dm.sigma,
                  "length_exponent": dm.length_exponent, "predicted_r2": dm.predicted_r2,
                  "calibration": calibration.to_dict() if calibration else None}, "lengths_summary": {"count": int(L.size), "median": float(p[0]), "p90": float(p[1]),
@@ -183,6 +196,8 @@ def register(app: typer.Typer) -> None:
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             rep.write_json(out / "simulation.json", results, extra)
+            if tables:
+                (out / "tables.md").write_text(f"{L.size} documents from {source}\n\n" + "\n\n".join(tables) + "\n")
             rep.plot_rank_load(results[0], out / "rank_load.png", steps=plot_steps)
             first = [r for r in results if r.config.docs_per_rank == per_rank[0] and r.config.knowledge == levels[0]]
             rep.plot_speedup(first, out / "speedup_vs_ranks.png")

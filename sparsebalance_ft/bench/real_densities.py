@@ -79,8 +79,8 @@ def _correlation(x: np.ndarray, y: np.ndarray) -> float | None:
     return float(np.corrcoef(x, y)[0, 1])
 
 
-def summarize(rows: list[dict]) -> dict:
-    """Mean and spread overall and per kind; dependence on length (log-linear fit and length bins) and on
+def summarize(rows: list[dict], kinds: tuple[str, ...] = KINDS) -> dict:
+    """Mean and spread overall and per kind (of `kinds`); dependence on length (log-linear fit and length bins) and on
     content (correlation with compression ratio and token diversity, overall and after the length fit)."""
     tokens = np.array([r["tokens"] for r in rows], dtype=float)
     density = np.array([r["density"] for r in rows])
@@ -88,14 +88,14 @@ def summarize(rows: list[dict]) -> dict:
     residual = density - (fit["intercept"] + fit["slope_per_doubling"] * np.log2(tokens)) if fit else density
     ratio = np.array([r["compression_ratio"] for r in rows])
     diversity = np.array([r["token_diversity"] for r in rows])
-    edges = [0, 256, 512, 1024, 2048, 4096, 8192, 1 << 30]
+    edges = [0, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 1 << 30]
     bins = []
     for lo, hi in zip(edges[:-1], edges[1:]):
         inside = (tokens >= lo) & (tokens < hi)
         if inside.any():
             bins.append({"tokens_from": lo, "tokens_below": hi, **_stats(density[inside])})
     by_kind = {}
-    for kind in KINDS:
+    for kind in kinds:
         mine = np.array([r["kind"] == kind for r in rows], dtype=bool)
         by_kind[kind] = {**_stats(density[mine]), "fit_log_length": _fit_log_length(tokens[mine], density[mine]),
                          "mean_length_residual": float(residual[mine].mean()) if mine.any() else None}
@@ -114,8 +114,8 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def densities_section(model, model_name: str, documents: list[Document], config: SparsityConfig,
-                      time_limit: float | None = None, progress=None) -> dict:
+                      time_limit: float | None = None, progress=None, kinds: tuple[str, ...] = KINDS) -> dict:
     rows = measure_densities(model, documents, config, time_limit, progress)
     return {"budget": float(config.budget), "block_size": int(config.block_size), "model": model_name,
-            "selection": config.selection, "documents": rows, "summary": summarize(rows),
+            "selection": config.selection, "documents": rows, "summary": summarize(rows, kinds),
             "planned_documents": len(documents)}

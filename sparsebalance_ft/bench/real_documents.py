@@ -78,7 +78,8 @@ def _read(path: Path, chars: int) -> str | None:
         return None
 
 
-def _document(tokenizer, kind: str, source: str, text: str, length: int) -> Document:
+def truncated_document(tokenizer, kind: str, source: str, text: str, length: int) -> Document:
+    """The first `length` tokens of `text` as a `Document`, its content measured on what was kept."""
     ids = np.asarray(tokenizer(text, add_special_tokens=False).input_ids[:length], dtype=np.int64)
     kept = tokenizer.decode(ids.tolist())
     ratio, diversity = content_measures(kept, ids)
@@ -105,7 +106,7 @@ def sample_documents(tokenizer, per_kind: int, min_tokens: int, max_tokens: int,
             text = _read(pool[i], length * _CHARS_PER_TOKEN_MAX)
             if not text:
                 continue
-            doc = _document(tokenizer, kind, str(pool[i]), text, length)
+            doc = truncated_document(tokenizer, kind, str(pool[i]), text, length)
             if doc.tokens >= min_tokens:
                 out[kind].append(doc)
     passages = out["code"] + out["prose"]
@@ -115,5 +116,5 @@ def sample_documents(tokenizer, per_kind: int, min_tokens: int, max_tokens: int,
         start = int(rng.integers(0, max(1, base.tokens - span)))
         passage = tokenizer.decode(base.ids[start:start + span].tolist())
         text = "\n".join([passage] * (length // max(1, span) + 2))
-        out["repetitive"].append(_document(tokenizer, "repetitive", f"repeat:{base.source}@{start}+{span}", text, length))
+        out["repetitive"].append(truncated_document(tokenizer, "repetitive", f"repeat:{base.source}@{start}+{span}", text, length))
     return [doc for group in zip(*(out[kind] for kind in KINDS)) for doc in group]

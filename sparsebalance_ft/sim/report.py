@@ -78,8 +78,9 @@ def markdown(result: SimResult) -> str:
 def against_peer_markdown(results: Sequence[SimResult], policy: str = "sparsebalance") -> str:
     """One line per (ranks, documents per rank, knowledge, tuning): `policy` against the best fair peer."""
     lines = ["| ranks | docs/rank | knowledge | tuning | look-ahead | step time (s) | best peer | peer step time (s) "
-             "| speedup vs peer | budget (ours / peer) | budget spread (ours / peer) | bubble (ours / peer) | attention share |",
-             "|---:|---:|---|---|---:|---:|---|---:|---:|---|---|---|---:|"]
+             "| speedup vs peer | vs peer untuned | budget (ours / peer) | budget spread (ours / peer) | bubble (ours / peer) "
+             "| attention share |",
+             "|---:|---:|---|---|---:|---:|---|---:|---:|---:|---|---|---|---:|"]
     for res in results:
         cfg = res.config
         for r in res.rows:
@@ -88,6 +89,7 @@ def against_peer_markdown(results: Sequence[SimResult], policy: str = "sparsebal
             p = res.row(r.peer, r.tuning)
             lines.append(f"| {cfg.world_size} | {cfg.docs_per_rank} | {cfg.knowledge} | {r.tuning} | {r.lookahead} "
                          f"| {_fmt_s(r.step_time)} | {p.policy} | {_fmt_s(p.step_time)} | **{r.vs_peer:.3f}x** "
+                         f"| {r.vs_peer_untuned:.3f}x "
                          f"| {r.mean_budget:.3f} / {p.mean_budget:.3f} | {r.budget_spread:.3f} / {p.budget_spread:.3f} "
                          f"| {100 * r.bubble:.1f}% / {100 * p.bubble:.1f}% | {100 * r.attention_share:.1f}% |")
     return "\n".join(lines)
@@ -164,3 +166,25 @@ def plot_speedup(results: Sequence[SimResult], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def each_peer_markdown(results: Sequence[SimResult], policy: str = "sparsebalance", tuned: str = "layer") -> str:
+    """One line per (ranks, documents per rank, knowledge): `policy` untuned against every peer untuned, and
+    `policy` under `tuned` against the best of them untuned (DST is the method's own; the peer has none)."""
+    peers = results[0].config.peers if results else ()
+    lines = ["| ranks | docs/rank | knowledge | look-ahead | " + " | ".join(f"vs {p}" for p in peers)
+             + f" | {policy} + {tuned} vs best peer untuned | bubble: best peer / {policy} / + {tuned} | attention share |",
+             "|---:|---:|---|---:|" + "---:|" * len(peers) + "---:|---|---:|"]
+    for res in results:
+        cfg = res.config
+        try:
+            ours, ours_tuned = res.row(policy), res.row(policy, tuned)
+            others = [res.row(p) for p in peers]
+        except KeyError:
+            continue
+        best = min(others, key=lambda r: r.epoch_time)
+        cells = " | ".join(f"{p.epoch_time / ours.epoch_time:.3f}x" for p in others)
+        lines.append(f"| {cfg.world_size} | {cfg.docs_per_rank} | {cfg.knowledge} | {ours.lookahead} | {cells} "
+                     f"| **{best.epoch_time / ours_tuned.epoch_time:.3f}x** | {100 * best.bubble:.1f}% / "
+                     f"{100 * ours.bubble:.1f}% / {100 * ours_tuned.bubble:.1f}% | {100 * ours.attention_share:.1f}% |")
+    return "\n".join(lines)

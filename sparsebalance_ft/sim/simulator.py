@@ -23,8 +23,10 @@ Figures (compute = per-rank forward+backward time; step time = max over ranks + 
 - `mean_budget`: token-weighted mean budget the documents ran at;
 - `imbalance`: sum over steps of max-rank compute / sum of mean-rank compute;
 - `bubble`: 1 - sum(mean) / sum(max), the share of rank-time spent waiting;
-- `vs_peer`: epoch time of the best fair peer (`length-grouped` or `verl`, the faster, at the same
-  look-ahead, knowledge and tuning) / this epoch time; `peer` names it;
+- `vs_peer`: epoch time of the best fair peer (the fastest of `config.peers`, by default `length-grouped`
+  and `verl` at the same look-ahead, knowledge and tuning; token-balanced packing, `tokens` /
+  `kk-length`, can join them) / this epoch time; `peer` names it; `vs_peer_untuned`: the same against
+  that peer without tuning (DST is the method's own: the peer a user runs today has none);
 - `vs_random`: epoch time of `random` without tuning / this epoch time (a reference);
 - `attention_share`: the share of the documents' compute time spent in attention at the densities
   they ran at (when the cost model separates it): the only part that density knowledge and budget
@@ -105,6 +107,7 @@ class SimConfig:
     tolerance: float = BalanceConfig.model_fields["tolerance"].default
     steps: int | None = None  # None: one full epoch
     lookahead_steps: int = LOOKAHEAD_STEPS
+    peers: tuple[str, ...] = PEERS  # the policies whose fastest is the fair peer (each must be in `policies`)
     record_steps: int = 4
     flops_a: float | None = None
 
@@ -123,6 +126,7 @@ class PolicyResult:
     bubble: float
     vs_peer: float = float("nan")
     peer: str = ""
+    vs_peer_untuned: float = float("nan")
     vs_random: float = float("nan")
     mean_budget: float = float("nan")
     budget_spread: float = float("nan")
@@ -278,10 +282,13 @@ def simulate(
     base = next((r for r in rows if r.policy == "random" and r.tuning == "none"), None)
     for r in rows:
         r.vs_random = base.epoch_time / r.epoch_time if base is not None and r.epoch_time > 0 else float("nan")
-        peers = [p for p in rows if p.policy in PEERS and p.tuning == r.tuning]
+        peers = [p for p in rows if p.policy in config.peers and p.tuning == r.tuning]
         if peers:
             best = min(peers, key=lambda p: p.epoch_time)
             r.peer, r.vs_peer = best.policy, best.epoch_time / r.epoch_time
+        untuned = [p for p in rows if p.policy in config.peers and p.tuning == "none"]
+        if untuned:
+            r.vs_peer_untuned = min(p.epoch_time for p in untuned) / r.epoch_time
     return SimResult(config, int(lengths.size), _describe(cost), rows)
 
 

@@ -192,3 +192,22 @@ def test_fair_peers_tie_on_length_only_stdlib_text():
     assert imb["sparsebalance"] <= 1.10, imb
     assert min(imb[p] for p in PEERS) < imb["kk-flops"], imb  # the look-ahead, not the cost model, removes the bulk
     assert abs(res.row("sparsebalance").vs_peer - 1.0) < 0.05
+
+
+def test_wider_peer_set_and_the_untuned_peer():
+    """With token-balanced packing among the peers the best peer is the fastest of all four, and
+    `vs_peer_untuned` quotes every row against that set without tuning."""
+    L = synthetic_lengths(256, 16384, 0.8, 65536, seed=2)
+    cost = AnalyticCostModel.llama_8b()
+    peers = ("tokens", "kk-length", "length-grouped", "verl")
+    cfg = SimConfig(world_size=8, docs_per_rank=1, token_cap=65536, policies=(*peers, "sparsebalance"),
+                    tuning=("none", "layer"), lookahead_steps=1, peers=peers)
+    res = simulate(L, cost, DensityModel(L, mean=0.3, sigma=0.5), cfg)
+    for r in res.rows:
+        same = min((res.row(p, r.tuning) for p in peers), key=lambda p: p.epoch_time)
+        untuned = min(res.row(p, "none").epoch_time for p in peers)
+        assert r.peer == same.policy and r.vs_peer == pytest.approx(same.epoch_time / r.epoch_time)
+        assert r.vs_peer_untuned == pytest.approx(untuned / r.epoch_time)
+    # one document per rank, the step's documents fixed: placement cannot matter, every policy takes as long
+    times = {res.row(p).epoch_time for p in (*peers, "sparsebalance")}
+    assert max(times) == pytest.approx(min(times))

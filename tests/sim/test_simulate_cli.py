@@ -147,3 +147,18 @@ def test_simulate_from_a_recipe_dataset(tmp_path, tiny_model_dir, text_corpus_di
     data = json.loads((tmp_path / "o" / "simulation.json").read_text())
     assert data["lengths_summary"]["count"] == 24
     assert data["lengths_summary"]["max"] <= 2048
+
+
+def test_peers_option_and_markdown_tables(tmp_path):
+    out = tmp_path / "out"
+    result = run("--synthetic", "120", "--median", "8000", "--ranks", "4", "--docs-per-rank", "1,2", "--tuning", "none,layer",
+                 "--policies", "tokens,verl,sparsebalance", "--peers", "tokens,verl", "--lookahead-steps", "1",
+                 "--markdown", "--out", out)
+    assert result.exit_code == 0, result.output
+    rows = json.loads((out / "simulation.json").read_text())["runs"][0]["rows"]
+    assert {r["peer"] for r in rows} <= {"tokens", "verl"} and all(r["vs_peer_untuned"] > 0 for r in rows)
+    tables = (out / "tables.md").read_text()
+    assert "vs peer untuned" in tables and "4 ranks, 2 documents per rank" in tables
+    assert "| vs tokens | vs verl | sparsebalance + layer vs best peer untuned |" in tables
+    assert "--peers 'kk-length'" in one_line_error(run("--synthetic", "10", "--policies", "verl,sparsebalance",
+                                                       "--peers", "kk-length"))
