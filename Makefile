@@ -49,6 +49,13 @@ bench-extend: install $(REAL)/sbft_model.json
 	$(SBFT) bench extend recipes/extend-smollm2.yaml --device $(DEVICE) $(EXTEND_PLAN) --set model.path=$(REAL) \
 		--out $(BENCH)/extend --work $(RUNS)/bench-extend
 
+# The extension recipe itself at 16K on a CPU (about 30 minutes): 2 steps, the same run killed -9 after its first
+# checkpoint and resumed (same losses), then `sbft export --verify-tokens 16384` (the export against the trained
+# model at 16K). Writes bench_results/extend/cpu_check.json and export_check.json.
+.PHONY: extend-check
+extend-check: install $(REAL)/sbft_model.json
+	SBFT=$(SBFT) bash docs/scripts/extend_cpu_check.sh
+
 # --- benchmarks (each writes JSON under bench_results/; figures are quoted in docs/benchmarks/ and the README's results table) ---
 BENCH   := bench_results
 TINY    := --set model.path=$(MODEL) --set data.path=$(STDLIB)

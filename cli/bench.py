@@ -453,7 +453,6 @@ def long_densities(
     docs: str = typer.Option("2,1", "--docs", help="Documents per kind at each length (one number, or one per length)."),
     rope_factor: Optional[float] = typer.Option(None, "--rope-factor", help="Linear RoPE factor [default: longest length / native positions]."),
     time_limit: Optional[float] = typer.Option(None, "--time-limit", min=1, help="Stop after this many seconds (later lengths are cut first)."),
-    work: Path = typer.Option(Path("runs/long-densities"), "--work", help="Where the scaled model's folder is written."),
     out: Path = typer.Option(Path("bench_results/long-densities/densities.json"), "--out", help="JSON to write (`sbft simulate --density-from` reads it)."),
     append: bool = typer.Option(False, "--append", help="Keep the rows of an existing --out and measure only the documents it lacks."),
 ) -> None:
@@ -471,7 +470,7 @@ def long_densities(
     native = json.loads((model / "config.json").read_text())["max_position_embeddings"]
     factor = rope_factor or max(lens) / native
     previous = json.loads(out.read_text()) if append and out.is_file() else None
-    result = measure(model, lens, counts, factor, work, time_limit=time_limit,
+    result = measure(model, lens, counts, factor, time_limit=time_limit,
                      say=lambda line: console.print(line, highlight=False), previous=previous)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -6,9 +6,9 @@ prose, templated), truncated to each measured length; each runs alone through th
 with the `sparsebalance` attention at the default budget (`real_densities.measure_densities`, the
 probe of `sbft bench real --sections densities`).
 
-A model read past its native positions needs its rotary positions scaled. `rope_scaled_copy` writes a
-folder that loads as the checkpoint with linear position interpolation (LongLoRA's baseline), weights
-and tokenizer linked: one factor for every length, as one training run to the longest length would use.
+A model read past its native positions needs its rotary positions scaled: `load_scaled_model` loads it
+with the recipe key `model.rope_scaling` at type linear (LongLoRA's position interpolation), one factor for
+every length, as one training run to the longest length would use.
 
 The output's `densities` entry is the contract `sim.calibration` reads (`sbft simulate --density-from`),
 its rows carrying the kinds of `data.long_documents` and the rope factor they ran at.
@@ -30,29 +30,24 @@ from .real_densities import measure_densities, summarize
 from .real_documents import Document, truncated_document
 
 
-def rope_scaled_copy(model_dir: Path, factor: float, work: Path) -> Path:
-    """A folder under `work` that loads as `model_dir` with linear RoPE scaling by `factor`.
+def load_scaled_model(model_dir: Path, factor: float, longest: int):
+    """(model, tokenizer) of `model_dir` read with linear RoPE scaling by `factor`, float32, dense SDPA.
 
-    Every file but config.json is a link to the checkpoint's; config.json gets `rope_parameters` of type
-    `linear` (transformers 5's key; the checkpoint's theta kept) and `factor` times its positions.
+    Built through the trainer's own loader from a recipe with `model.rope_scaling`, so the positions are
+    exactly what a training run with that key gets (and the same one-line refusals: a factor <= 1, or one
+    that does not cover `longest` tokens).
     """
-    model_dir = Path(model_dir).resolve()
-    config = json.loads((model_dir / "config.json").read_text())
-    if "rope_parameters" not in config:
-        raise UserError(f"{model_dir}: no rope_parameters in config.json (not a rotary model of transformers 5)")
-    if factor <= 1.0:
-        raise UserError(f"--rope-factor {factor:g}: must be above 1 (1 is the native model)")
-    out = Path(work) / f"{model_dir.name}-linear{factor:g}"
-    out.mkdir(parents=True, exist_ok=True)
-    for path in model_dir.iterdir():
-        link = out / path.name
-        if path.name != "config.json" and not link.exists():
-            link.symlink_to(path)
-    native = int(config["max_position_embeddings"])
-    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "linear", "factor": float(factor)}
-    config["max_position_embeddings"] = int(round(native * factor))
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
+    from transformers import AutoTokenizer
+
+    from ..recipe import recipe_from_dict
+    from ..train.model import load_base_model
+
+    recipe = recipe_from_dict({
+        "model": {"path": str(model_dir), "dtype": "float32", "attn_implementation": "sdpa",
+                  "rope_scaling": {"type": "linear", "factor": factor}},
+        "data": {"path": str(model_dir), "max_seq_len": longest},
+    }, "--rope-factor")
+    return load_base_model(recipe).eval(), AutoTokenizer.from_pretrained(model_dir)
 
 
 def documents_at(sections, tokenizer, length: int, per_kind: int) -> list[Document]:
@@ -73,7 +68,7 @@ def documents_at(sections, tokenizer, length: int, per_kind: int) -> list[Docume
     return [chosen[kind][i] for i in range(per_kind) for kind in KINDS if i < len(chosen[kind])]
 
 
-def long_densities(model_dir: Path, lengths: list[int], per_kind: list[int], rope_factor: float, work: Path,
+def long_densities(model_dir: Path, lengths: list[int], per_kind: list[int], rope_factor: float,
                    config: SparsityConfig | None = None, time_limit: float | None = None,
                    say: Callable[[str], None] = print, stdlib: Path | None = None,
                    previous: dict | None = None) -> dict:
@@ -82,8 +77,6 @@ def long_densities(model_dir: Path, lengths: list[int], per_kind: list[int], rop
     `previous` (an earlier result of the same model, factor and budget) is continued: its rows are kept and
     its documents not measured again, so a measurement cut by a time limit goes on where it stopped.
     """
-    from .real import load_real_model
-
     config = config or SparsityConfig()
     label = f"{Path(model_dir).name} linear x{rope_factor:g}"
     rows: list[dict] = []
@@ -98,8 +91,7 @@ def long_densities(model_dir: Path, lengths: list[int], per_kind: list[int], rop
     if max(lengths) > native * rope_factor:
         raise UserError(f"--lengths {max(lengths)}: above the {native} x {rope_factor:g} positions of the scaled model; "
                         f"raise --rope-factor to {max(lengths) / native:g}")
-    scaled = rope_scaled_copy(Path(model_dir), rope_factor, work)
-    model, tokenizer = load_real_model(scaled)
+    model, tokenizer = load_scaled_model(Path(model_dir), rope_factor, max(lengths))
     stdlib = stdlib or default_stdlib()
     say(f"reading {stdlib} (code, documentation, prose, templated)")
     sections = library_sections(stdlib, length_function(tokenizer))

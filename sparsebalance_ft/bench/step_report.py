@@ -1,7 +1,13 @@
 """The step bench's figure and table (`sbft bench step`): step time and speedup against dense per length,
-beside each budget's Amdahl ceiling."""
+beside each budget's Amdahl ceiling.
+
+`python -m sparsebalance_ft.bench.step_report STEP.json` prints the table and writes the PNG of a run,
+also of one stopped before its end (the JSON keeps every finished repeat; `repeats` says how many).
+"""
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -47,12 +53,23 @@ def save_step_png(result: dict, path: Path) -> Path:
 def step_table_markdown(result: dict) -> str:
     """The rows as a Markdown table (length, arm, step, speedup, ceiling, loss gap, density, shares)."""
     f = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
-    lines = ["| tokens | arm | step s | speedup | Amdahl ceiling | of ceiling | loss gap | kept density | "
+    lines = ["| tokens | arm | repeats | step s | speedup | Amdahl ceiling | of ceiling | loss gap | kept density | "
              "attention share | selection / attention | syncs / step |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(result["rows"], key=lambda r: (r["length"], r["arm"] != "dense", r["arm"])):
-        lines.append(f"| {r['length']:,} | {r['arm']} | {r['step_s']:.2f} | {f(r['speedup_vs_dense'], '.2f')}x | "
+        lines.append(f"| {r['length']:,} | {r['arm']} | {r['repeats']} | {r['step_s']:.2f} | {f(r['speedup_vs_dense'], '.2f')}x | "
                      f"{f(r['amdahl_ceiling'], '.2f')}x | {f(r['share_of_ceiling'], '.0%')} | "
                      f"{f(r['loss_gap'], '+.2%')} | {r['kept_density']:.3f} | {f(r['attention_share'], '.0%')} | "
                      f"{f(r['selection_share_of_attention'], '.1%')} | {f(r['host_syncs_per_step'], '.0f')} |")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    path = Path((argv if argv is not None else sys.argv[1:])[0])
+    result = json.loads(path.read_text())
+    print(step_table_markdown(result))
+    print(f"wrote {save_step_png(result, path.with_suffix('.png'))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -63,6 +63,19 @@ def test_ceiling_from_measured_share_and_density(quick_result):
     assert amdahl_ceiling(0.8, 0.25) == pytest.approx(2.5) and amdahl_ceiling(0.0, 0.1) == 1.0
 
 
+def test_a_stopped_runs_json_still_gives_its_table_and_png(quick_result, tmp_path, capsys):
+    from sparsebalance_ft.bench.step_report import main
+
+    result, _ = quick_result
+    stopped = {**result, "complete": False, "rows": [r for r in result["rows"] if r["arm"] != "1.0"]}
+    path = tmp_path / "stopped.json"
+    path.write_text(json.dumps(stopped))
+    main([str(path)])
+    table = capsys.readouterr().out
+    assert "| 512 | 0.3 | 1 |" in table and "| 1.0 |" not in table
+    assert path.with_suffix(".png").stat().st_size > 0
+
+
 def test_lengths_past_the_native_positions_get_the_recipes_rope_scaling(tmp_path, tiny_model_dir):
     from sparsebalance_ft.recipe import recipe_from_dict
 

@@ -1,7 +1,7 @@
 """Context extension end to end on the tiny model (256 native positions, trained at 512 with yarn, LoRA plus
 embeddings and norms, head tied to the embeddings): the setting is recorded in every checkpoint, a resume with
 another one is refused, a resume restores the full-trained modules exactly, and plain transformers loads the
-export at the new length with the trained model's logits."""
+export at the new length with the trained model's logits (`sbft export --verify-tokens`: within the float32 floor)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from sparsebalance_ft.recipe import load_recipe
 from sparsebalance_ft.train.checkpoint import latest_checkpoint
 from sparsebalance_ft.train.export import export_merged
+from sparsebalance_ft.train.export_check import check_export
 from sparsebalance_ft.train.loop import train
 from sparsebalance_ft.train.metrics import read_metrics
 from sparsebalance_ft.train.model import embedding_and_norm_modules, full_training_summary, load_model
@@ -87,3 +88,15 @@ def test_extension_round_trips_through_checkpoint_resume_and_export(write_recipe
     with torch.no_grad():
         diff = (plain(input_ids=ids).logits - trained(input_ids=ids).logits).abs().max().item()
     assert diff <= 1e-4, f"exported logits differ by {diff}"
+
+    # `sbft export --verify-tokens`: the same figure, within the float32 floor; an export that lost its scaling is not
+    check = check_export(recipe, summary["adapter_dir"], merged_dir, 500)
+    assert check.export_vs_trained <= 1e-4 and check.within_floor, check.describe()
+    assert 0 < check.trained_vs_float64 < 1e-3
+    lost = tmp_path / "lost-scaling"
+    shutil.copytree(merged_dir, lost)
+    config = json.loads((lost / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_parameters"]["rope_theta"]}
+    (lost / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
+    broken = check_export(recipe, summary["adapter_dir"], lost, 500)
+    assert broken.export_vs_trained > 1000 * check.trained_vs_float64 and not broken.within_floor, broken.describe()
