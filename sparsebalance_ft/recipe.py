@@ -370,7 +370,8 @@ def changed_settings(recipe: Recipe) -> dict[str, Any]:
                 continue
             value = getattr(values, key)
             if value != item.get_default(call_default_factory=True):
-                changed[f"{section}.{key}"] = value
+                # a nested setting (model.rope_scaling) shows the keys the recipe set, not every unset one
+                changed[f"{section}.{key}"] = value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value
     return changed
 
 

@@ -147,6 +147,11 @@ def test_gradient_checkpointing_auto_follows_the_sequence_length(paths, tokens, 
     assert forced.uses_gradient_checkpointing is False
 
 
+def test_a_nested_setting_is_shown_by_the_keys_set(paths):
+    recipe = load_recipe(write(paths["root"], minimal(paths)), ["model.rope_scaling.type=yarn"])
+    assert "model.rope_scaling={'type': 'yarn', 'factor': 'auto'}," in describe_setup(recipe)[1]
+
+
 def test_the_dense_baseline_is_one_switch(paths):
     """`model.attn_implementation=sdpa` alone validates: the default tuning steps aside (nothing to tune)."""
     recipe = load_recipe(write(paths["root"], minimal(paths)), ["model.attn_implementation=sdpa"])
