@@ -55,6 +55,7 @@ class ExportCheck:
 def _dense_float32(recipe: Recipe) -> Recipe:
     data = recipe.model_dump(mode="json")
     data["model"].update(dtype="float32", attn_implementation="sdpa", gradient_checkpointing=False)
+    data["balance"]["tuning"] = "none"  # nothing to tune under dense attention (a tuning recipe would be refused)
     return recipe_from_dict(data, "export check")
 
 

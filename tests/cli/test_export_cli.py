@@ -11,7 +11,9 @@ from test_train_cli import run_sbft  # tests/cli is on sys.path (pytest rootdir-
 
 
 def test_export_prints_and_writes_its_check(write_recipe, tmp_path):
-    recipe_path = write_recipe(training={"max_steps": 2})
+    # a sparse recipe with tuning, checked with dense attention
+    recipe_path = write_recipe(model={"attn_implementation": "sparsebalance"}, training={"max_steps": 2},
+                               balance={"tuning": "bidirectional"})
     train(load_recipe(recipe_path))
     result = run_sbft("export", recipe_path, "--out", tmp_path / "merged", "--verify-tokens", 96)
     assert result.returncode == 0, result.stderr[-3000:]
