@@ -9,15 +9,15 @@ SBFT=${SBFT:-.venv/bin/sbft}
 RECIPE=recipes/extend-smollm2.yaml
 WORK=${WORK:-runs/extend-cpu-check}
 OUT=${OUT:-bench_results/extend}
-RUN=(--set training.max_steps=2 --set training.checkpoint_every=1 --set training.warmup_steps=1 --overwrite)
+STEPS=(--set training.max_steps=2 --set training.checkpoint_every=1 --set training.warmup_steps=1)
 
 [ -f runs/long-docs/train.jsonl ] || make long-docs
 rm -rf "$WORK"; mkdir -p "$WORK" "$OUT"
 
-"$SBFT" train "$RECIPE" "${RUN[@]}" --set training.output_dir="$WORK/whole" 2>&1 | tee "$WORK/whole.log"
+"$SBFT" train "$RECIPE" "${STEPS[@]}" --overwrite --set training.output_dir="$WORK/whole" 2>&1 | tee "$WORK/whole.log"
 
 # the same run, killed (SIGKILL, no clean-up) once its step-1 checkpoint is complete, then resumed
-setsid "$SBFT" train "$RECIPE" "${RUN[@]}" --set training.output_dir="$WORK/killed" > "$WORK/killed.log" 2>&1 &
+setsid "$SBFT" train "$RECIPE" "${STEPS[@]}" --overwrite --set training.output_dir="$WORK/killed" > "$WORK/killed.log" 2>&1 &
 victim=$!
 until [ -f "$WORK/killed/checkpoint-1/COMPLETE" ]; do
     kill -0 "$victim" 2>/dev/null || { echo "the run ended before its first checkpoint"; exit 1; }
@@ -25,8 +25,7 @@ until [ -f "$WORK/killed/checkpoint-1/COMPLETE" ]; do
 done
 kill -9 -- -"$victim"
 wait "$victim" || true
-"$SBFT" train "$RECIPE" --set training.max_steps=2 --set training.checkpoint_every=1 --set training.warmup_steps=1 \
-    --set training.output_dir="$WORK/killed" --resume 2>&1 | tee "$WORK/resumed.log"
+"$SBFT" train "$RECIPE" "${STEPS[@]}" --set training.output_dir="$WORK/killed" --resume 2>&1 | tee "$WORK/resumed.log"
 
 "$SBFT" export "$RECIPE" --set training.output_dir="$WORK/whole" --out "$WORK/merged" --verify-tokens 16384
 cp "$WORK/merged/export_check.json" "$OUT/export_check.json"

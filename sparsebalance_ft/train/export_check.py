@@ -105,9 +105,8 @@ def check_export(recipe: Recipe, adapter_dir: str | Path, export_dir: str | Path
     export_vs_trained, largest = _max_logit_diff(head_plain, hidden_plain, head_trained, hidden_trained)
 
     head_trained32 = copy.deepcopy(head_trained)
-    trained.double()
+    trained.double()  # in place: head_trained is now the float64 head
     hidden_exact = _final_hidden(trained, ids)
-    head_exact = _parts(trained)[1]
-    floor, _ = _max_logit_diff(head_trained32, hidden_trained, head_exact, hidden_exact)
-    export_vs_exact, _ = _max_logit_diff(head_plain, hidden_plain, head_exact, hidden_exact)
+    floor, _ = _max_logit_diff(head_trained32, hidden_trained, head_trained, hidden_exact)
+    export_vs_exact, _ = _max_logit_diff(head_plain, hidden_plain, head_trained, hidden_exact)
     return ExportCheck(tokens, export_vs_trained, floor, export_vs_exact, largest)
