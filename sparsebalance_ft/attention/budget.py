@@ -276,14 +276,17 @@ class SparseAttentionController:
     def pop_report(self) -> AttentionReport:
         with self._lock:
             acc, self._acc = self._acc, self._new_acc()
-        if acc.pending_recall:  # one read for every layer's sampled recall
-            values = torch.stack([r.detach().float().reshape(()) for _, r, _ in acc.pending_recall]).cpu().tolist()
-            for (layer, _, tokens), value in zip(acc.pending_recall, values):
-                acc.recall_sum[layer] += value * tokens
+        # one device read for the whole step: every layer's recall and per-document counts
+        recalls = [r for _, r, _ in acc.pending_recall]
+        counts = [c for _, _, _, _, kept, causal, at_budget in acc.pending for c in (kept, causal, at_budget)
+                  if c is not None]
+        values = iter(_read_together(recalls + counts))
+        for layer, _, tokens in acc.pending_recall:
+            acc.recall_sum[layer] += next(values)[0] * tokens
         docs: dict[tuple[int, int, int], list] = {}
         for forward, row, layer, lengths, kept, causal, at_budget in acc.pending:
-            kept, causal = _as_list(kept), _as_list(causal)
-            at_budget = kept if at_budget is None else _as_list(at_budget)
+            kept, causal = next(values), next(values)
+            at_budget = kept if at_budget is None else next(values)
             if 0 <= layer < self.num_layers:
                 acc.kept[layer] += sum(kept)
                 acc.causal[layer] += sum(causal)
@@ -297,10 +300,16 @@ class SparseAttentionController:
         return AttentionReport(dens, rec, doc_dens, self.budgets, acc.forwards, acc.selection_seconds, self._forced)
 
 
-def _as_list(values) -> list[float]:
-    if isinstance(values, torch.Tensor):
-        return values.detach().double().cpu().tolist()
-    return np.asarray(values, dtype=np.float64).tolist()
+def _read_together(items: list) -> list[list[float]]:
+    """Each item (a device tensor, an array or a number) as a list of floats, with one device read for all
+    the tensors per device: a read per layer's counts was one host synchronisation each on a GPU."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            by_device.setdefault(item.device, []).append(item.detach().double().reshape(-1))
+    flat = {device: iter(torch.cat(ts).cpu().tolist()) for device, ts in by_device.items()}
+    return [[next(flat[item.device]) for _ in range(item.numel())] if isinstance(item, torch.Tensor)
+            else np.asarray(item, dtype=np.float64).reshape(-1).tolist() for item in items]
 
 
 def _refuse_unsupported(hf_config) -> None:

@@ -17,11 +17,12 @@ attention), so selection and kernels need nothing new.
 
 Host syncs per layer call on the sparse path: none with the flex or Triton kernels (the GPU backends),
 unless layer-level tuning is on (its one all_gather of 3 floats per layer). The selection sizes itself from
-the layout's document lengths (host values), sampled recall stays a device tensor until `pop_report`, and
-the report's per-document counts too. What reads the device, and why: the torch kernel's `make_plan`
-reads the kept counts 3 times to group rows into chunks (the CPU backend, where reads cost nothing),
-`from_layout` reads 1 flag (whether padding was dropped) when the layout is not the identity, and the
-documents and layouts are read once per forward (not per layer). `sbft bench step` counts them per step.
+the layout's document lengths (host values), sampled recall draws its blocks with Python's `random` and
+builds its masks on the device, and recall and the per-document counts stay device tensors until
+`pop_report` reads them all at once. What reads the device, and why: the torch kernel's `make_plan` reads
+the kept counts 3 times to group rows into chunks (the CPU backend, where reads cost nothing), and the
+documents are read once per forward (not per layer). `sbft bench step` counts them per step;
+tests/attention/test_attention_training.py checks that more layers add no read.
 """
 from __future__ import annotations
 
@@ -405,8 +406,8 @@ def sparse_attention_row(
     if report and not recompute:
         recall = None
         if cfg.recall_samples > 0:
-            gen = torch.Generator().manual_seed(recall_seed(layer, layout.doc_lengths))
-            recall = sampled_recall_tensor(qp[0].detach(), kp[0].detach(), layout, sel, cfg.recall_samples, scale, gen, window)
+            recall = sampled_recall_tensor(qp[0].detach(), kp[0].detach(), layout, sel, cfg.recall_samples, scale,
+                                           recall_seed(layer, layout.doc_lengths), window)
         kept = _per_document(layout, sel.counts.sum(0), owner, len(docs))
         moved = at_budget is not sel.counts  # a layer tuner changed the selection
         kept_at_budget = _per_document(layout, at_budget.sum(0), owner, len(docs)) if moved else None

@@ -34,6 +34,7 @@ Both rules keep a prefix of the same ranking, so a looser threshold or a higher 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -51,7 +52,7 @@ class Layout:
     length: int  # tokens in the original row
     padded_length: int  # multiple of block_size
     doc_lengths: list[int]
-    src: torch.Tensor | None  # original token index of each placed token (None: identity layout)
+    src: torch.Tensor | None  # original token index of each placed token, ascending (None: identity layout)
     dst: torch.Tensor | None  # padded position of each placed token
     block_doc: torch.Tensor  # [nb] document index of each block
     block_start: torch.Tensor  # [nb] first block of the block's document
@@ -142,7 +143,7 @@ def from_layout(y: torch.Tensor, layout: Layout, dim: int = 2) -> torch.Tensor:
     if layout.identity:
         return y
     picked = y.index_select(dim, layout.dst)
-    if layout.src.numel() == layout.length and bool((layout.src == torch.arange(layout.length, device=y.device)).all()):
+    if layout.src.numel() == layout.length:  # ascending and distinct: every token of the row, in order
         return picked
     shape = list(y.shape)
     shape[dim] = layout.length
@@ -420,22 +421,22 @@ def forced_count(causal: torch.Tensor, density: float) -> torch.Tensor:
 
 def sampled_recall(
     q: torch.Tensor, k: torch.Tensor, layout: Layout, sel: Selection, samples: int, scale: float,
-    generator: torch.Generator | None = None, window: int | None = None,
+    seed: int | None = None, window: int | None = None,
 ) -> float | None:
     """Share of the exact dense softmax mass held by the kept blocks, averaged over `samples` random
-    (key-value head, query block) pairs, their query heads and real query tokens."""
-    recall = sampled_recall_tensor(q, k, layout, sel, samples, scale, generator, window)
+    (key-value head, query block) pairs (drawn with `seed`), their query heads and real query tokens."""
+    recall = sampled_recall_tensor(q, k, layout, sel, samples, scale, seed, window)
     return recall if recall is None or isinstance(recall, float) else float(recall)
 
 
 @torch.no_grad()
 def sampled_recall_tensor(
     q: torch.Tensor, k: torch.Tensor, layout: Layout, sel: Selection, samples: int, scale: float,
-    generator: torch.Generator | None = None, window: int | None = None,
+    seed: int | None = None, window: int | None = None,
 ) -> torch.Tensor | float | None:
     """`sampled_recall` left on q's device (a 0-dim tensor; 1.0 for a full selection): nothing is read back,
     so the attention can sample recall on every layer without a host synchronisation. The drawn pairs come
-    from `generator` on the host and the block geometry from `Layout.host_blocks`."""
+    from Python's `random` (no tensor to read) and the block geometry from `Layout.host_blocks`."""
     if samples <= 0:
         return None
     if sel.full:
@@ -445,19 +446,21 @@ def sampled_recall_tensor(
     nb, bs = layout.num_blocks, layout.block_size
     starts, tokens = layout.host_blocks()
     total = torch.zeros((), dtype=torch.float32, device=q.device)
-    picks = torch.randint(0, hkv * nb, (samples,), generator=generator).tolist()
+    draw = random.Random(seed)
+    picks = [draw.randrange(hkv * nb) for _ in range(samples)]
     for pick in picks:
         h, i = divmod(pick, nb)
         start, real = starts[i], tokens[i]
         qi = q[h * g:(h + 1) * g, i * bs:i * bs + real].float()  # [G, real, D]
         ks = k[h, start * bs:(i + 1) * bs].float()  # [nk, D]
         logits = torch.matmul(qi, ks.T) * scale
-        qpos = torch.arange(i * bs, i * bs + real)[:, None]
-        kpos = torch.arange(start * bs, (i + 1) * bs)[None, :]
+        # positions made on the device: a mask copied from the host is a synchronisation per sample on a GPU
+        qpos = torch.arange(i * bs, i * bs + real, device=q.device)[:, None]
+        kpos = torch.arange(start * bs, (i + 1) * bs, device=q.device)[None, :]
         ok = kpos <= qpos
         if window is not None:
             ok &= kpos > qpos - window
-        logits.masked_fill_(~ok.to(logits.device), _NEG_INF)
+        logits.masked_fill_(~ok, _NEG_INF)
         prob = torch.softmax(logits, -1)
         # slots past the row's count hold its diagonal block: they add 0 to its tally, never a block
         slots = sel.indices[h, i].long() - start

@@ -96,3 +96,45 @@ def test_bf16_autocast_forward_and_backward(budget):
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
     assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+_READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__")
+
+
+def _reads_of_a_training_step(monkeypatch, layers: int) -> int:
+    """Python-level reads of tensor values (each a host synchronisation on a GPU) in one checkpointed
+    forward and backward of a `layers`-layer model with the sparse attention and sampled recall, and the
+    step's `pop_report`. The kernel is a GPU backend's (no host plan), stood in for by dense SDPA: the CPU
+    torch kernel's plan reads its counts by design."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    register_sparse_attention()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ctl = SparseAttentionController.attach(model, SparsityConfig(block_size=16, k_min=1, k_max=2, budget=0.3,
+                                                                 recall_samples=4))
+
+    def gpu_kernel(q, k, v, *args, **kwargs):
+        group = q.shape[1] // k.shape[1]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=True)
+
+    monkeypatch.setattr(attention_register, "resolve_backend", lambda backend, device: "triton")
+    monkeypatch.setattr(attention_register, "block_sparse_attention", gpu_kernel)
+    ids, pos = _batch()
+    with monkeypatch.context() as reading:
+        reads = [_counting(reading, torch.Tensor, name) for name in _READS]
+        model(input_ids=ids, position_ids=pos, labels=ids).loss.backward()
+        report = ctl.pop_report()
+    assert report.forwards == 1 and all(0 < d < 1 for d in report.layer_density)
+    assert all(r is not None for r in report.layer_recall)
+    return sum(len(r) for r in reads)
+
+
+def test_no_host_read_per_layer_call(monkeypatch):
+    """Selection, layout, recall and report read nothing per layer: doubling the layers adds no read (the
+    documents are read once per forward and the report's counts once per step)."""
+    assert _reads_of_a_training_step(monkeypatch, 4) == _reads_of_a_training_step(monkeypatch, 2)
