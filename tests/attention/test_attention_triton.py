@@ -17,11 +17,12 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _reference import full_selection, grads, masked_reference, qkv
 from sparsebalance_ft.attention import kernels
 from sparsebalance_ft.attention.kernels import block_sparse_attention, resolve_backend
-from sparsebalance_ft.attention.kernels.triton import interpreting
+from sparsebalance_ft.attention.kernels.triton import _transposed_index, interpreting
 
 pytest.importorskip("triton")
 
@@ -92,6 +93,48 @@ def _random_selection(batch, hkv, nb, kmax, seed):
 def _close(got, want, atol, rtol):
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b.to(a.dtype), atol=atol, rtol=rtol)
+
+
+class _SyncingOps(TorchDispatchMode):
+    """The aten ops a host must wait for on a GPU (a result whose shape or value it reads), seen on a CPU."""
+
+    SYNCING = {"aten::nonzero", "aten::masked_select", "aten::bincount", "aten::_local_scalar_dense",
+               "aten::is_nonzero", "aten::equal", "aten::repeat_interleave", "aten::_unique2"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        indexes = args[1] if name in ("aten::index", "aten::index_put", "aten::index_put_") else ()
+        by_mask = any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in indexes or ())
+        if name in self.SYNCING or by_mask:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_transposed_index_lists_each_key_blocks_readers_without_a_sync():
+    """The backward's key-block -> query-blocks index: every reader of each key block, ascending, built
+    without an op that would make the host wait for the GPU."""
+    b, hkv, nq, kmax = 2, 3, 12, 4
+    gen = torch.Generator().manual_seed(0)
+    cnt = torch.randint(1, kmax + 1, (b, hkv, nq), generator=gen).minimum(torch.arange(1, nq + 1))
+    idx = torch.zeros(b, hkv, nq, kmax, dtype=torch.int32)
+    for bb in range(b):
+        for h in range(hkv):
+            for i in range(nq):
+                idx[bb, h, i] = i  # unused slots hold the diagonal, as selections do
+                idx[bb, h, i, :cnt[bb, h, i]] = torch.randperm(i + 1, generator=gen)[:cnt[bb, h, i]].int()
+    with _SyncingOps() as ops:
+        tptr, tidx = _transposed_index(idx, cnt, nq)
+    assert ops.seen == []
+    for bb in range(b):
+        for h in range(hkv):
+            for j in range(nq):
+                c = (bb * hkv + h) * nq + j
+                readers = [i for i in range(nq) if j in idx[bb, h, i, :cnt[bb, h, i]].tolist()]
+                assert tidx[tptr[c]:tptr[c + 1]].tolist() == readers
 
 
 @kernel_check

@@ -169,16 +169,22 @@ if TRITON_AVAILABLE:
 
 def _transposed_index(idx: torch.Tensor, cnt: torch.Tensor, nk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """CSR of the selection by key block: for column c = (b * Hkv + h) * nk + j, the query blocks that
-    kept key block j are ``tidx[tptr[c]:tptr[c + 1]]`` (ascending; a stable sort keeps it deterministic)."""
+    kept key block j are ``tidx[tptr[c]:tptr[c + 1]]`` (ascending; a stable sort keeps it deterministic).
+
+    Every tensor keeps the selection's fixed size, so nothing waits for the GPU: unused slots go to a
+    sentinel column past the last one (sorted to the end of `tidx`, where no range reaches), and the column
+    sizes come from a scatter-add, not from boolean indexing or `bincount` (each a host synchronisation)."""
     b, hkv, nq, kmax = idx.shape
     dev = idx.device
+    columns = b * hkv * nk
     valid = torch.arange(kmax, device=dev) < cnt[..., None]
     col = torch.arange(b * hkv, device=dev).view(b, hkv, 1, 1) * nk + idx.long()
-    qblock = torch.arange(nq, device=dev).view(1, 1, nq, 1).expand_as(col)
-    col, qblock = col[valid], qblock[valid]
+    col = torch.where(valid, col, columns).reshape(-1)
+    qblock = torch.arange(nq, device=dev).view(1, 1, nq, 1).expand(b, hkv, nq, kmax).reshape(-1)
     order = torch.argsort(col, stable=True)
-    tptr = torch.zeros(b * hkv * nk + 1, dtype=torch.int32, device=dev)
-    tptr[1:] = torch.bincount(col, minlength=b * hkv * nk).cumsum(0)
+    sizes = torch.zeros(columns + 1, dtype=torch.long, device=dev).scatter_add_(0, col, torch.ones_like(col))
+    tptr = torch.zeros(columns + 1, dtype=torch.int32, device=dev)
+    tptr[1:] = sizes[:columns].cumsum(0)
     return tptr, qblock[order].to(torch.int32).contiguous()
 
 
