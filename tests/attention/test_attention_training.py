@@ -12,12 +12,12 @@ VOCAB = 64
 DOCS = [100, 92]
 
 
-def _model():
+def _model(layers: int = 2):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     register_sparse_attention()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2)
     return AutoModelForCausalLM.from_config(cfg).train()
 
@@ -106,13 +106,7 @@ def _reads_of_a_training_step(monkeypatch, layers: int) -> int:
     forward and backward of a `layers`-layer model with the sparse attention and sampled recall, and the
     step's `pop_report`. The kernel is a GPU backend's (no host plan), stood in for by dense SDPA: the CPU
     torch kernel's plan reads its counts by design."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    register_sparse_attention()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2)
-    model = AutoModelForCausalLM.from_config(cfg).train()
+    model = _model(layers)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ctl = SparseAttentionController.attach(model, SparsityConfig(block_size=16, k_min=1, k_max=2, budget=0.3,
                                                                  recall_samples=4))
