@@ -118,6 +118,30 @@ def selection(
     console.print(f"wrote {out}")
 
 
+@bench_app.command("score-precision")
+@user_errors
+def score_precision(
+    model: Path = typer.Option(Path("runs/smollm2"), "--model", help="Real checkpoint folder (`sbft init-model smollm2 DIR`)."),
+    length: int = typer.Option(8192, min=256, help="Tokens read (one standard-library source; at most the model's context)."),
+    repeats: int = typer.Option(3, min=1, help="Timed selections per layer and precision, interleaved (medians reported)."),
+    out: Path = typer.Option(Path("bench_results/selection/score-precision.json"), "--out", help="Results as JSON."),
+) -> None:
+    """Block selection scored in bfloat16 (`score_precision: auto`) against float32: kept blocks, recall, time."""
+    from sparsebalance_ft.bench.score_precision import compare_score_precision
+    from sparsebalance_ft.errors import UserError
+
+    if length % 64:
+        raise UserError(f"--length: must be a multiple of the block size 64, got {length}")
+    if not (model / "config.json").is_file():
+        raise UserError(f"--model: not a Hugging Face checkpoint (no config.json): {model}")
+    result = compare_score_precision(model, length, repeats, out=out, say=lambda line: console.print(line, highlight=False))
+    s = result["summary"]
+    console.print(f"auto scores in {result['setup']['auto_dtype']}: {s['agreement']:.4%} of keep decisions agree; "
+                  f"density {s['float32']['density']:.4f} -> {s['auto']['density']:.4f}, recall "
+                  f"{s['float32']['recall']:.4f} -> {s['auto']['recall']:.4f}; selection {s['auto_speedup']:.2f}x faster")
+    console.print(f"wrote {out}")
+
+
 @bench_app.command("packing")
 @user_errors
 def packing(

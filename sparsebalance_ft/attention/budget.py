@@ -27,7 +27,7 @@ import torch
 
 from .config import SparsityConfig
 from .register import CachedRoute, bind_controller, in_backward, register_sparse_attention
-from .selection import Layout, Selection, select_block_sets
+from .selection import Layout, Selection, scoring_dtype, select_block_sets
 
 NO_CAP = 2**31 - 1  # k_max meaning "no cap"
 
@@ -220,7 +220,8 @@ class SparseAttentionController:
         return select_block_sets(q, k, layout, cfg.selection, [budget_params(cfg, b) for b in budgets],
                                  k_min=cfg.k_min, sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks,
                                  scale=scale, window=window, force_density=force_density,
-                                 score_queries=cfg.score_queries)
+                                 score_queries=cfg.score_queries,
+                                 score_dtype=scoring_dtype(cfg.score_precision, q.dtype, q.device))
 
     def force_density(self, density: float | None) -> None:
         """Profiling mode: every query block keeps round(density * causal blocks) (>= 1); None switches it off."""

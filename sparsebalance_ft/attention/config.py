@@ -38,6 +38,11 @@ class SparsityConfig(BaseModel):
         "their mass share and the block-mean estimate counts): what lets a query keep the one block it retrieves "
         "from. 0 ranks by block means alone.",
     )
+    score_precision: Literal["auto", "float32"] = Field(
+        "auto", description="Precision of the sampled queries' logits. auto: bfloat16 where the hardware multiplies "
+        "it natively (a CUDA GPU, a CPU with AVX512-BF16 or AMX), else the query's own; float32: always float32. "
+        "`sbft bench score-precision` compares the two on a real model.",
+    )
     k_min: int = Field(4, ge=1, description="Fewest key blocks any query block keeps (anchors included).")
     k_max: int = Field(64, ge=1, description="Most key blocks a query block keeps at the default budget.")
     budget: float = Field(0.5, ge=0.0, le=1.0, description="Default budget; 1.0 means dense.")

@@ -33,6 +33,7 @@ Both rules keep a prefix of the same ranking, so a looser threshold or a higher 
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Sequence
@@ -180,13 +181,36 @@ def pooled(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     return s / layout.block_tokens.clamp(min=1).to(s.dtype)[None, :, None]
 
 
-# Elements of one chunk's largest temporary (the sampled queries' logits): 16 MiB in float32 on CPU; a GPU
-# takes bigger chunks, because each chunk is a kernel launch and a few MiB more cost nothing there.
-_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
+# Elements of one chunk's sampled logits (and of their softmax, a second buffer): 32 MiB each in bfloat16 on
+# CPU, where 4x fewer elements (so more chunks, each a few dozen small ops) made the selection 1.5x slower at
+# 32K tokens; a GPU takes bigger chunks, because each chunk is a few kernel launches.
+_CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 26}
 # Most query blocks per chunk on CPU: 8 was the fastest measured at 1K-32K tokens. Fewer pay a few dozen
 # small ops per block (a third of the selection's time at 32K with one block per chunk); more leave the
 # cache and, at short lengths, score keys past the chunk's first rows' causal span.
 _CHUNK_ROWS_MAX = {"cpu": 8}
+
+
+def scoring_dtype(precision: str, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """The dtype of the sampled queries' logits for q of `dtype` on `device` (None: q's own) under a config's
+    `score_precision`. The logits only rank key blocks, and a GPU run already scores in the model's bfloat16:
+    a float32 CPU run that has native bfloat16 dot products scores as the GPU does, 2-3x faster."""
+    if precision == "float32":
+        return torch.float32
+    if dtype in (torch.bfloat16, torch.float16):
+        return None
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    if device.type == "cpu" and _cpu_multiplies_bfloat16():
+        return torch.bfloat16
+    return None
+
+
+@functools.cache
+def _cpu_multiplies_bfloat16() -> bool:
+    """AVX512-BF16 or AMX (torch's private probes, absent in some builds: then no)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
 def _chunk_elements(device: torch.device) -> int:
@@ -234,6 +258,7 @@ def select_block_sets(
     force_density: float | None = None,
     window: int | None = None,
     score_queries: int = 4,
+    score_dtype: torch.dtype | None = None,
 ) -> list[Selection]:
     """One selection per (threshold, k_max) in `limits`, all from one scoring of the blocks: under `rule`
     "mass" the threshold is `tau`, under "anchor" the margin. Every selection keeps a prefix of the same
@@ -266,7 +291,9 @@ def select_block_sets(
     else:
         cap = min(max(1, round(force_density * span)), span)  # forced_count at the longest span
     qb, kb = pooled(q, layout), pooled(k, layout)
-    scratch = _sampled_scratch(q, k, chunk, span, nb, layout.block_size, score_queries) if score_queries > 0 else None
+    if score_queries > 0:
+        k_scored = k.to(score_dtype or k.dtype)  # once per row (a no-op in q's precision)
+        scratch = _sampled_scratch(q, k, chunk, span, nb, layout.block_size, score_queries, k_scored.dtype)
     picks, counts = [], [[] for _ in limits]
     for i0 in range(0, nb, chunk):
         i1 = min(nb, i0 + chunk)
@@ -276,7 +303,7 @@ def select_block_sets(
         allowed = (j[None, :] >= lo[rows, None]) & (j[None, :] <= rows[:, None])  # [C, nk]
         p = _pooled_shares(qb[:, i0:i1], kb[:, k0:i1], layout.block_tokens[k0:i1], allowed, scale)
         if score_queries > 0:
-            sampled = _sampled_shares(q, k, layout, i0, i1, k0, lo, window, scale, score_queries, scratch)
+            sampled = _sampled_shares(q, k_scored, layout, i0, i1, k0, lo, window, scale, score_queries, scratch)
             p = torch.maximum(p, sampled)
             p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
         anchor = allowed & (((j[None, :] - layout.block_start[rows, None]) < sink_blocks)
@@ -349,22 +376,26 @@ def _pooled_shares(qb: torch.Tensor, kb: torch.Tensor, block_tokens: torch.Tenso
 
 
 def _sampled_scratch(q: torch.Tensor, k: torch.Tensor, chunk: int, span: int, nb: int, block_size: int,
-                     per_block: int) -> torch.Tensor:
-    """One flat buffer for every chunk's sampled logits, sized for the largest. A fresh multi-MiB tensor per
-    chunk is, on CPU, a fresh mmap and its page faults: that doubled the selection's time at 32K tokens."""
+                     per_block: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two flat buffers, the sampled logits and their softmax, sized for the largest chunk and reused by every
+    chunk: a fresh multi-MiB tensor per chunk is, on CPU, a fresh mmap and its page faults (that doubled the
+    selection's time at 32K tokens). `dtype`: the scoring precision (q's by default)."""
     hq, hkv = q.shape[0], k.shape[0]
     rows, keys = chunk * per_block, min(nb, span + chunk - 1) * block_size
     # every head at once within the chunk budget; one key-value head's group at a time past it
     size = max(min(hq * rows * keys, _chunk_elements(q.device)), hq // hkv * rows * keys)
-    return torch.empty(size, dtype=q.dtype, device=q.device)
+    dtype = q.dtype if dtype is None else dtype
+    return (torch.empty(size, dtype=dtype, device=q.device), torch.empty(size, dtype=dtype, device=q.device))
 
 
-def _sampled_shares(q: torch.Tensor, k: torch.Tensor, layout: Layout, i0: int, i1: int, k0: int, lo: torch.Tensor,
-                    window: int | None, scale: float, per_block: int, scratch: torch.Tensor) -> torch.Tensor:
+def _sampled_shares(q: torch.Tensor, k: torch.Tensor, layout: Layout, i0: int, i1: int, k0: int,
+                    lo: torch.Tensor, window: int | None, scale: float, per_block: int,
+                    scratch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """[Hkv, C, nk] exact softmax mass per key block of `per_block` query tokens of each query block (evenly
     spaced, ending at its last real token), averaged over them and the group's query heads. Sharp where the
-    pooled estimate is blind: the block holding a retrieved fact gets the mass its reader gives it. The
-    logits live in `scratch` (`_sampled_scratch`) and are exponentiated in place."""
+    pooled estimate is blind: the block holding a retrieved fact gets the mass its reader gives it.
+    `k` is in the scoring precision, which the logits take; they and their softmax live in `scratch`
+    (`_sampled_scratch`)."""
     hq, hkv, bs = q.shape[0], k.shape[0], layout.block_size
     dev = q.device
     rows = torch.arange(i0, i1, device=dev)
@@ -383,23 +414,26 @@ def _sampled_shares(q: torch.Tensor, k: torch.Tensor, layout: Layout, i0: int, i
         cols = hidden.any(0).nonzero().squeeze(1)  # the few key columns some sampled query must not see
         hidden = hidden[:, cols]
     g, d, nq, nk = hq // hkv, q.shape[-1], qpos.numel(), kpos.numel()
-    qs = (q[:, qpos] * scale).reshape(hkv, g * nq, d)
+    qs = (q[:, qpos] * scale).to(k.dtype).reshape(hkv, g * nq, d)
     ks = k[:, k0 * bs:i1 * bs]
     # one key-value head at a time when even one query block's logits pass the chunk budget (very long rows)
     step = 1 if hq * nq * nk > _chunk_elements(q.device) else hkv
     shares = []
     for h in range(0, hkv, step):
         heads = min(step, hkv - h)
-        out = scratch[:heads * g * nq * nk].view(heads, g * nq, nk)
-        logits = torch.matmul(qs[h:h + heads], ks[h:h + heads].transpose(-1, -2), out=out).float()  # q's dtype
+        logits, probs = (buf[:heads * g * nq * nk].view(heads, g * nq, nk) for buf in scratch)
+        for head in range(heads):  # a batched product of these key slices copies them first in bfloat16 on CPU
+            torch.mm(qs[h + head], ks[h + head].T, out=logits[head])
         logits = logits.view(heads, g, nq, nk)
         if cols is None:
             logits.masked_fill_(hidden, _NEG_INF)
         else:
             logits[..., cols] = logits[..., cols].masked_fill_(hidden, _NEG_INF)  # one pass over those columns only
-        logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # every sampled token sees itself: no row is all -inf
-        mass = logits.view(heads, g, i1 - i0, per_block, i1 - k0, bs).sum(-1)
-        shares.append((mass / mass.sum(-1, keepdim=True)).mean((1, 3)))  # the softmax's share of each block
+        # one fused pass (max, exp, sum, scale: half the time of the same steps op by op); every sampled token
+        # sees itself, so no row is all -inf
+        torch.ops.aten._softmax.out(logits, -1, False, out=probs.view(heads, g, nq, nk))
+        mass = probs.view(heads, g, i1 - i0, per_block, i1 - k0, bs).sum(-1).float()
+        shares.append(mass.mean((1, 3)))  # each sampled token's softmax share of each block, averaged
     return torch.cat(shares, 0)
 
 

@@ -19,7 +19,12 @@ from sparsebalance_ft.attention import (
     select_blocks,
 )
 from sparsebalance_ft.attention.register import sparse_attention_row
-from sparsebalance_ft.attention.selection import causal_counts, documents_from_positions, sampled_recall
+from sparsebalance_ft.attention.selection import (
+    causal_counts,
+    documents_from_positions,
+    sampled_recall,
+    select_block_sets,
+)
 
 
 def _qk(hq=4, hkv=2, length=1024, d=32, seed=0):
@@ -270,9 +275,11 @@ def test_chunked_selection_equals_one_chunk(monkeypatch, rule, docs, window, sco
 
 
 @pytest.mark.parametrize("docs,window", [([200], None), ([100, 150, 64, 90], None), ([300], 70)])
-def test_sampled_shares_equal_a_plain_softmax_per_token(monkeypatch, docs, window):
-    """The sampled scores (logits in a reused scratch, masked only on the columns that need it, exponentiated
-    in place) equal each sampled token's own softmax summed per key block, in every chunking."""
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_sampled_shares_equal_a_plain_softmax_per_token(docs, window, dtype, atol):
+    """The sampled scores (logits and their softmax in reused scratch buffers, masked only on the columns that
+    need it) equal each sampled token's own float64 softmax summed per key block, in every chunking; scored
+    in bfloat16 they stay within its rounding."""
     from sparsebalance_ft.attention import selection
 
     q, k = _qk(hq=4, hkv=2, length=sum(docs), d=16)
@@ -285,12 +292,42 @@ def test_sampled_shares_equal_a_plain_softmax_per_token(monkeypatch, docs, windo
     for rows in (nb, 2, 1):
         got = torch.zeros(2, nb, nb, dtype=torch.float64)
         span = int(causal.max())
-        scratch = selection._sampled_scratch(qp, kp, rows, span, nb, 32, 3)
+        scratch = selection._sampled_scratch(qp, kp, rows, span, nb, 32, 3, dtype)
         for i0 in range(0, nb, rows):
             i1, k0 = min(nb, i0 + rows), max(0, i0 - span + 1)
-            got[:, i0:i1, k0:i1] = selection._sampled_shares(qp, kp, layout, i0, i1, k0, lo, window, 0.3, 3,
+            got[:, i0:i1, k0:i1] = selection._sampled_shares(qp, kp.to(dtype), layout, i0, i1, k0, lo, window, 0.3, 3,
                                                              scratch).double()
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
+def test_scoring_precision_is_bfloat16_only_where_it_is_native_and_asked_for(monkeypatch):
+    from sparsebalance_ft.attention import selection
+
+    cpu = torch.device("cpu")
+    for native in (False, True):
+        monkeypatch.setattr(selection, "_cpu_multiplies_bfloat16", lambda: native)
+        assert selection.scoring_dtype("auto", torch.float32, cpu) == (torch.bfloat16 if native else None)
+        assert selection.scoring_dtype("float32", torch.float32, cpu) == torch.float32
+        assert selection.scoring_dtype("auto", torch.bfloat16, cpu) is None  # already 16-bit: scored as is
+        assert selection.scoring_dtype("auto", torch.float16, cpu) is None
+
+
+@pytest.mark.parametrize("precision,dtype", [("float32", torch.float32), ("auto", torch.bfloat16)])
+def test_controller_scores_in_its_configured_precision(monkeypatch, precision, dtype):
+    """The recipe's `score_precision` reaches the selection as the dtype its scoring runs in."""
+    from sparsebalance_ft.attention import budget, selection
+
+    monkeypatch.setattr(selection, "_cpu_multiplies_bfloat16", lambda: True)
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["score_dtype"])
+        return select_block_sets(*args, **kwargs)
+
+    monkeypatch.setattr(budget, "select_block_sets", recording)
+    q, k = _qk(hq=6, hkv=2, length=1024)
+    SparseAttentionController(SparsityConfig(score_precision=precision)).select(q, k, make_layout([1024], 64), 0.5, 0.2)
+    assert seen == [dtype]
 
 
 @pytest.mark.parametrize("selection", ["mass", "anchor"])

@@ -130,9 +130,10 @@ def test_selection_workload_measures_one_layer_selection_in_a_fresh_process():
         assert result["peak_bytes"] >= result["before_step_bytes"]
         largest = result["largest_allocations"]
         assert largest and result["torch_peak_bytes"] >= largest[0]["bytes"] > 0
-    # four times the tokens: the chunked selection's live tensors grow less than fourfold (each chunk's
-    # temporaries are capped; the [nb, nb] scores of the unchunked selection grew sixteenfold)
-    assert large["torch_peak_bytes"] < 4 * small["torch_peak_bytes"]
+    # four times the tokens: the chunked selection's live tensors grow about fourfold (a chunk's logits span
+    # the keys, until their element cap binds near 32K tokens), never the sixteenfold of the unchunked
+    # selection's [nb, nb] scores; 8x, the geometric middle, tells the two apart
+    assert large["torch_peak_bytes"] < 8 * small["torch_peak_bytes"]
     row = selection_row(large)
     assert row["torch_peak_mib"] == round(large["torch_peak_bytes"] / 2**20, 1) and row["note"] == ""
 
