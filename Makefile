@@ -10,7 +10,7 @@ MODEL   := $(RUNS)/tiny-llama
 
 REAL    := $(RUNS)/smollm2
 
-.PHONY: install demo test test-fast bench bench-extend bench-attention bench-selection bench-profile bench-balance bench-accuracy bench-real simulate gpu-check clean
+.PHONY: install demo test test-fast bench bench-extend bench-attention bench-selection bench-score-precision bench-profile bench-balance bench-accuracy bench-real simulate gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -68,6 +68,11 @@ bench-attention: install
 
 bench-selection: install $(MODEL)/config.json
 	$(SBFT) bench selection --model $(MODEL) --out $(BENCH)/selection.json
+
+# The sampled queries' logits in bfloat16 (score_precision: auto) against float32 on the real model: kept blocks,
+# recall and selection time per layer at 8K tokens (two minutes).
+bench-score-precision: install $(REAL)/sbft_model.json
+	$(SBFT) bench score-precision --model $(REAL) --out $(BENCH)/selection/score-precision.json
 
 # The balancer's host-side overhead per step and per epoch (tuner at 64 ranks, cost model over 100K documents,
 # Karmarkar-Karp into 1,024 parts): timed here rather than asserted in tests, where a loaded machine flakes.

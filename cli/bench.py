@@ -29,6 +29,20 @@ def _floats(text: str, name: str) -> list[float]:
     return values
 
 
+def _require_whole_blocks(length: int) -> None:
+    from sparsebalance_ft.errors import UserError
+
+    if length % 64:
+        raise UserError(f"--length: must be a multiple of the block size 64, got {length}")
+
+
+def _require_checkpoint(model: Path) -> None:
+    from sparsebalance_ft.errors import UserError
+
+    if not (model / "config.json").is_file():
+        raise UserError(f"--model: not a Hugging Face checkpoint (no config.json): {model}")
+
+
 @bench_app.command("attention")
 @user_errors
 def attention(
@@ -103,10 +117,8 @@ def selection(
 ) -> None:
     """Sweep the budget under each selection rule and compare recall at matched density."""
     from sparsebalance_ft.bench.selection import RULES, compare_selection_rules
-    from sparsebalance_ft.errors import UserError
 
-    if length % 64:
-        raise UserError(f"--length: must be a multiple of the block size 64, got {length}")
+    _require_whole_blocks(length)
     result = compare_selection_rules(model, length, sequences, out=out)
     for name, source in result["sources"].items():
         table = Table(title=f"{name}: recall at matched density ({source['note']})")
@@ -130,10 +142,11 @@ def score_precision(
     from sparsebalance_ft.bench.score_precision import compare_score_precision
     from sparsebalance_ft.errors import UserError
 
-    if length % 64:
-        raise UserError(f"--length: must be a multiple of the block size 64, got {length}")
-    if not (model / "config.json").is_file():
-        raise UserError(f"--model: not a Hugging Face checkpoint (no config.json): {model}")
+    _require_whole_blocks(length)
+    _require_checkpoint(model)
+    native = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    if length > native:
+        raise UserError(f"--length {length} is above the model's {native} positions: the scores past them mean nothing")
     result = compare_score_precision(model, length, repeats, out=out, say=lambda line: console.print(line, highlight=False))
     s = result["summary"]
     console.print(f"auto scores in {result['setup']['auto_dtype']}: {s['agreement']:.4%} of keep decisions agree; "
@@ -489,8 +502,7 @@ def long_densities(
     counts = counts * len(lens) if len(counts) == 1 else counts
     if len(counts) != len(lens) or min(counts) < 1:
         raise UserError(f"--docs {docs!r}: one positive count, or one per length ({len(lens)})")
-    if not (model / "config.json").is_file():
-        raise UserError(f"--model: not a Hugging Face checkpoint (no config.json): {model}")
+    _require_checkpoint(model)
     native = json.loads((model / "config.json").read_text())["max_position_embeddings"]
     factor = rope_factor or max(lens) / native
     previous = json.loads(out.read_text()) if append and out.is_file() else None

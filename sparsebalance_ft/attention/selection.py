@@ -182,8 +182,8 @@ def pooled(x: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 # Elements of one chunk's sampled logits (and of their softmax, a second buffer): 32 MiB each in bfloat16 on
-# CPU, where 4x fewer elements (so more chunks, each a few dozen small ops) made the selection 1.5x slower at
-# 32K tokens; a GPU takes bigger chunks, because each chunk is a few kernel launches.
+# CPU, where 4x fewer elements (so more chunks, each a few dozen small ops) made the selection 1.4x slower at
+# 32K tokens; a GPU takes bigger chunks, because each chunk is a few dozen kernel launches.
 _CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 26}
 # Most query blocks per chunk on CPU: 8 was the fastest measured at 1K-32K tokens. Fewer pay a few dozen
 # small ops per block (a third of the selection's time at 32K with one block per chunk); more leave the
@@ -194,7 +194,8 @@ _CHUNK_ROWS_MAX = {"cpu": 8}
 def scoring_dtype(precision: str, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
     """The dtype of the sampled queries' logits for q of `dtype` on `device` (None: q's own) under a config's
     `score_precision`. The logits only rank key blocks, and a GPU run already scores in the model's bfloat16:
-    a float32 CPU run that has native bfloat16 dot products scores as the GPU does, 2-3x faster."""
+    a float32 CPU run that has native bfloat16 dot products scores as the GPU does, and faster (the same
+    blocks to 99.9%: `bench/score_precision.py`)."""
     if precision == "float32":
         return torch.float32
     if dtype in (torch.bfloat16, torch.float16):

@@ -44,7 +44,8 @@ def compare_score_precision(model_dir: str | Path = "runs/smollm2", length: int 
     controllers = {p: SparseAttentionController(config.model_copy(update={"score_precision": p})) for p in PRECISIONS}
     q0 = qks[0][0]
     resolved = scoring_dtype("auto", q0.dtype, q0.device)
-    causal = torch.ones(layout.num_blocks, layout.num_blocks, dtype=torch.bool).tril()  # the decisions: future blocks are never kept
+    # the decisions: a query block's causal key blocks (the future is never kept)
+    causal = torch.ones(layout.num_blocks, layout.num_blocks, dtype=torch.bool).tril()
     rows = []
     for layer, (q, k) in enumerate(qks):
         scale = q.shape[-1] ** -0.5

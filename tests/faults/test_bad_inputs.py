@@ -136,3 +136,14 @@ def test_a_bad_rope_setting(write_recipe, tiny_model_dir, tmp_path, case, nproc)
     model = _gpt2_dir(tmp_path) if case == "no-rotary" else _model_copy(tiny_model_dir, tmp_path, max_position_embeddings=256)
     line = one_error_line(run_sbft("train", write_recipe(model={"path": str(model), **keys}), "--nproc", nproc))
     assert message in line
+
+
+def test_score_precision_bench_refuses_lengths_off_the_blocks_or_past_the_model_and_a_folder_without_one(
+        tiny_model_dir, tmp_path):
+    line = one_error_line(run_sbft("bench", "score-precision", "--length", "1000", "--model", tmp_path))
+    assert "--length: must be a multiple of the block size 64, got 1000" in line
+    line = one_error_line(run_sbft("bench", "score-precision", "--model", tmp_path))
+    assert line.endswith(f"--model: not a Hugging Face checkpoint (no config.json): {tmp_path}")
+    native = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    line = one_error_line(run_sbft("bench", "score-precision", "--model", tiny_model_dir, "--length", native + 64))
+    assert f"--length {native + 64} is above the model's {native} positions" in line
