@@ -36,11 +36,13 @@ def _require_whole_blocks(length: int) -> None:
         raise UserError(f"--length: must be a multiple of the block size 64, got {length}")
 
 
-def _require_checkpoint(model: Path) -> None:
+def _native_positions(model: Path) -> int:
+    """The checkpoint's `max_position_embeddings`; a folder without a config.json is a one-line error."""
     from sparsebalance_ft.errors import UserError
 
     if not (model / "config.json").is_file():
         raise UserError(f"--model: not a Hugging Face checkpoint (no config.json): {model}")
+    return json.loads((model / "config.json").read_text())["max_position_embeddings"]
 
 
 @bench_app.command("attention")
@@ -143,8 +145,7 @@ def score_precision(
     from sparsebalance_ft.errors import UserError
 
     _require_whole_blocks(length)
-    _require_checkpoint(model)
-    native = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    native = _native_positions(model)
     if length > native:
         raise UserError(f"--length {length} is above the model's {native} positions: the scores past them mean nothing")
     result = compare_score_precision(model, length, repeats, out=out, say=lambda line: console.print(line, highlight=False))
@@ -502,8 +503,7 @@ def long_densities(
     counts = counts * len(lens) if len(counts) == 1 else counts
     if len(counts) != len(lens) or min(counts) < 1:
         raise UserError(f"--docs {docs!r}: one positive count, or one per length ({len(lens)})")
-    _require_checkpoint(model)
-    native = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    native = _native_positions(model)
     factor = rope_factor or max(lens) / native
     previous = json.loads(out.read_text()) if append and out.is_file() else None
     result = measure(model, lens, counts, factor, time_limit=time_limit,

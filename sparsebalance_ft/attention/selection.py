@@ -162,6 +162,11 @@ class Selection:
     select_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
+    @property
+    def density(self) -> float:
+        """Kept / causal blocks over every key-value head (a read of the counts: off the hot path)."""
+        return float(self.counts.sum()) / float(self.causal.sum() * self.counts.shape[0])
+
 
 def causal_counts(layout: Layout, window: int | None = None) -> torch.Tensor:
     """Allowed key blocks per query block (same document, causal, in window), without an [nb, nb] grid."""
@@ -377,15 +382,14 @@ def _pooled_shares(qb: torch.Tensor, kb: torch.Tensor, block_tokens: torch.Tenso
 
 
 def _sampled_scratch(q: torch.Tensor, k: torch.Tensor, chunk: int, span: int, nb: int, block_size: int,
-                     per_block: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     per_block: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Two flat buffers, the sampled logits and their softmax, sized for the largest chunk and reused by every
     chunk: a fresh multi-MiB tensor per chunk is, on CPU, a fresh mmap and its page faults (that doubled the
-    selection's time at 32K tokens). `dtype`: the scoring precision (q's by default)."""
+    selection's time at 32K tokens). `dtype`: the scoring precision."""
     hq, hkv = q.shape[0], k.shape[0]
     rows, keys = chunk * per_block, min(nb, span + chunk - 1) * block_size
     # every head at once within the chunk budget; one key-value head's group at a time past it
     size = max(min(hq * rows * keys, _chunk_elements(q.device)), hq // hkv * rows * keys)
-    dtype = q.dtype if dtype is None else dtype
     return (torch.empty(size, dtype=dtype, device=q.device), torch.empty(size, dtype=dtype, device=q.device))
 
 

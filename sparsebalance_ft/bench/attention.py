@@ -178,7 +178,7 @@ def _sparse_step(q, k, v, go, cfg: SparsityConfig, density: float, full_route: b
     o.backward(go)
     _sync(device)
     total = now() - t0
-    achieved = float(sel.counts.sum()) / float(sel.causal.sum() * sel.counts.shape[0])
+    achieved = sel.density
     return total, t_sel, achieved, "full-kernel" if density >= 1.0 else f"sparse-{backend}"
 
 

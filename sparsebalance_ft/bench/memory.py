@@ -191,8 +191,7 @@ def _selection_step(case: MemoryCase, device) -> Callable[[], float]:
     controller = SparseAttentionController(config)
 
     def select(q: torch.Tensor, k: torch.Tensor, layout) -> float:
-        sel = controller.select(q, k, layout, config.budget, head_dim ** -0.5)
-        return float(sel.counts.sum()) / float(sel.causal.sum() * kv_heads)
+        return controller.select(q, k, layout, config.budget, head_dim ** -0.5).density
 
     # a first call on 16 blocks pages in the ops' code, which would otherwise count as the call's RSS
     small = make_layout([16 * config.block_size], config.block_size, device)

@@ -57,7 +57,7 @@ def compare_score_precision(model_dir: str | Path = "runs/smollm2", length: int 
                 seconds[p].append(s)
         kept = {p: kept_mask(sel) for p, sel in sels.items()}
         for p, sel in sels.items():
-            row[p] = {"density": float(sel.counts.float().sum() / (sel.causal.float().sum() * k.shape[0])),
+            row[p] = {"density": sel.density,
                       "recall": float((mass * kept[p]).sum(-1).mean()),
                       "select_s": statistics.median(seconds[p])}
         row["agreement"] = float((kept["float32"] == kept["auto"])[:, causal].float().mean())

@@ -74,7 +74,7 @@ def _sweep(cases: list[dict], layout: Layout, config: SparsityConfig, budgets: l
         for case in cases:
             sel = controller.select(case["q"], case["k"], layout, b, scale)
             kept = kept_mask(sel)
-            dens.append(float(sel.counts.sum()) / float(sel.causal.sum() * sel.counts.shape[0]))
+            dens.append(sel.density)
             rec.append(float((case["mass"] * kept).sum(-1).mean()))
             if "planted" in case:
                 hit.append(float((kept & case["planted"]).sum() / case["planted"].sum()))
