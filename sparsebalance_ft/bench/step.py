@@ -85,14 +85,16 @@ def native_positions(model_dir: Path | str) -> int:
 
 
 def length_recipe(base: Recipe, length: int) -> Recipe:
-    """The base recipe at one length: data.max_seq_len, and past the checkpoint's native positions the
-    recipe's own rope scaling (linear, LongLoRA's position interpolation, at the factor that covers the
-    length) unless the recipe already sets one. The step's cost does not depend on the scaling type."""
+    """The base recipe at one length: data.max_seq_len, and past the checkpoint's native positions a rope
+    scaling at the factor that covers the length unless the recipe sets one. YaRN, the context-extension
+    recipe's choice: untrained, it reads past the native length where linear interpolation does not
+    (docs/context-extension.md), so the dense arm's loss there is a sane reference and `loss_gap` measures
+    the attention rather than the damage the scaling does. The step's cost does not depend on the type."""
     data = base.model_dump(mode="json")
     data["data"]["max_seq_len"] = max(length, data["data"]["max_seq_len"])
     native = native_positions(base.model.path)
     if native and length > native and data["model"].get("rope_scaling") is None:
-        data["model"]["rope_scaling"] = {"type": "linear", "factor": "auto"}
+        data["model"]["rope_scaling"] = {"type": "yarn", "factor": "auto"}
     return recipe_from_dict(data, "bench step recipe")
 
 

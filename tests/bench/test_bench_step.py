@@ -84,10 +84,10 @@ def test_lengths_past_the_native_positions_get_the_recipes_rope_scaling(tmp_path
     assert length_recipe(base, native).model.rope_scaling is None
     longer = length_recipe(base, 3 * native - 1)
     assert longer.data.max_seq_len == 3 * native - 1
-    assert (longer.model.rope_scaling.type, longer.model.rope_scaling.factor) == ("linear", "auto")
-    yarn = recipe_from_dict({**base.model_dump(mode="json"), "model": {"path": str(tiny_model_dir),
-                                                                        "rope_scaling": {"type": "yarn"}}})
-    assert length_recipe(yarn, 2 * native).model.rope_scaling.type == "yarn"  # the recipe's own choice stays
+    assert (longer.model.rope_scaling.type, longer.model.rope_scaling.factor) == ("yarn", "auto")
+    linear = recipe_from_dict({**base.model_dump(mode="json"), "model": {"path": str(tiny_model_dir),
+                                                                          "rope_scaling": {"type": "linear"}}})
+    assert length_recipe(linear, 2 * native).model.rope_scaling.type == "linear"  # the recipe's own choice stays
 
 
 @pytest.mark.parametrize("args, says", [
