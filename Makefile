@@ -216,12 +216,13 @@ bench-memory-selection: install
 	$(SBFT) bench memory --workload selection --selection-tokens 16384,32768,65536 --out $(BENCH)/memory/selection.json
 
 # On a machine with a CUDA GPU, one command ending in one JSON (sized for ten minutes on an H200 from the parts
-# timed there; never yet run whole): the Triton kernel's
-# tests compiled, one attention layer per sparse backend (bf16, fwd+bwd, also keeping every block), the whole
-# training step of SmolLM2 per backend from 4K to 64K tokens, then the headline of each file. On a machine whose
-# python already holds a CUDA torch: `make -o install gpu-check PY=python3 SBFT="python3 -m sbft_cli.app"`.
+# timed there; never yet run whole): the Triton kernels' tests compiled (block-sparse attention, the selection's
+# sampled scores), one attention layer per sparse backend (bf16, fwd+bwd, also keeping every block; under `torch`
+# the selection stays in torch ops, so its column compares the two scorings), the whole training step of SmolLM2
+# per backend from 4K to 64K tokens, then the headline of each file. On a machine whose python already holds a
+# CUDA torch: `make -o install gpu-check PY=python3 SBFT="python3 -m sbft_cli.app"`.
 gpu-check: install $(REAL)/sbft_model.json
-	$(PY) -m pytest -q -p no:cacheprovider tests/attention/test_attention_triton.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/attention/test_attention_triton.py tests/attention/test_attention_sampled_mass.py
 	for be in flex triton torch; do \
 		$(SBFT) bench attention --device cuda --backend $$be --dtype bfloat16 --lengths 8192,16384,32768 \
 			--densities 0.0625,0.1,1.0 --heads 9 --kv-heads 3 --kernel-at-full --out $(BENCH)/gpu/attention-$$be.json || exit 1; \

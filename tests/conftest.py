@@ -14,11 +14,13 @@ second to build); tests that change files must copy them first (`tmp_path`).
   its cache in a fresh temporary folder.
 - `write_recipe`: a factory `write_recipe(**sections) -> Path` of a small, fast training recipe
   (the tiny model over `jsonl_corpus`); keyword sections update its defaults.
+- `free_port`: a function returning a TCP port free on 127.0.0.1 now (the rendezvous of two gloo ranks).
 """
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sysconfig
 from pathlib import Path
 
@@ -124,3 +126,12 @@ def write_recipe(tiny_model_dir, jsonl_corpus, tmp_path):
         return path
 
     return make
+
+
+@pytest.fixture
+def free_port():
+    def pick() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    return pick

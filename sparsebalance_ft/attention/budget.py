@@ -221,7 +221,8 @@ class SparseAttentionController:
                                  k_min=cfg.k_min, sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks,
                                  scale=scale, window=window, force_density=force_density,
                                  score_queries=cfg.score_queries,
-                                 score_dtype=scoring_dtype(cfg.score_precision, q.dtype, q.device))
+                                 score_dtype=scoring_dtype(cfg.score_precision, q.dtype, q.device),
+                                 sampling_kernel=cfg.backend != "torch")
 
     def force_density(self, density: float | None) -> None:
         """Profiling mode: every query block keeps round(density * causal blocks) (>= 1); None switches it off."""

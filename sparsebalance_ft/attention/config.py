@@ -53,7 +53,8 @@ class SparsityConfig(BaseModel):
     backend: Literal["auto", "torch", "flex", "triton"] = Field(
         "auto",
         description="auto: torch on CPU, flex (compiled FlexAttention) on CUDA when available. triton: the Triton"
-        " kernel on CUDA (checked under triton's interpreter, not yet timed on a GPU).",
+        " kernel on CUDA (checked under triton's interpreter, not yet timed on a GPU). Except under torch, the"
+        " selection scores its sampled queries on CUDA with a Triton kernel where triton is installed.",
     )
     recall_samples: int = Field(4, ge=0, description="Query blocks per layer sampled each forward to measure recall.")
     chunk_blocks: int = Field(

@@ -14,7 +14,9 @@ larger of two estimates of the share of i's softmax mass that falls in j, renorm
   most queries of the block read, but one key that one query needs drowns in its block's mean;
 - sampled queries: the exact softmax of ``score_queries`` tokens of block i (evenly spaced, the last real
   token included) over every visible key, summed per key block. Sharp where the mean is blind: on
-  SmolLM2-135M a passkey's block is found by the question's tokens, not by the mean of their block.
+  SmolLM2-135M a passkey's block is found by the question's tokens, not by the mean of their block. In
+  torch ops over chunks of query blocks (`_sampled_shares`), or on a GPU with triton in one kernel that
+  never writes the logits (kernels/sampled_mass.py).
 
 Shares are averaged over the query heads of a GQA group, which therefore share one selection. Anchors (the
 first ``sink_blocks`` blocks of the document and the ``local_blocks`` most recent blocks, the diagonal
@@ -41,6 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from .kernels.sampled_mass import fused_sampling_available, sampled_block_mass
 
 _NEG_INF = float("-inf")
 
@@ -265,6 +269,7 @@ def select_block_sets(
     window: int | None = None,
     score_queries: int = 4,
     score_dtype: torch.dtype | None = None,
+    sampling_kernel: bool = True,
 ) -> list[Selection]:
     """One selection per (threshold, k_max) in `limits`, all from one scoring of the blocks: under `rule`
     "mass" the threshold is `tau`, under "anchor" the margin. Every selection keeps a prefix of the same
@@ -272,10 +277,12 @@ def select_block_sets(
     one scoring, which is most of a selection's time, instead of one each.
 
     Query blocks are scored and selected in chunks, so no temporary grows with (query blocks x key blocks):
-    the largest is one chunk's sampled logits, `_CHUNK_ELEMENTS` elements. No host sync on a GPU: the longest
+    the largest is one chunk's sampled logits (with the kernel, which writes none, its pooled scores),
+    `_CHUNK_ELEMENTS` elements. No host sync on a GPU: the longest
     causal span (sizing the chunks) comes from the layout's document lengths and every selection is as
     wide as its cap, so nothing is read back from the device (on CPU, where reads cost nothing, each chunk
-    looks up the few key columns it must mask)."""
+    looks up the few key columns it must mask). `sampling_kernel`: score the sampled queries with the Triton
+    kernel where it runs (`fused_sampling_available`); False keeps torch ops everywhere."""
     if rule not in ("mass", "anchor") or not limits:
         raise ValueError(f"select_block_sets: rule must be 'mass' or 'anchor' with at least one limit, got {rule!r}")
     hq, hkv = q.shape[0], k.shape[0]
@@ -290,7 +297,9 @@ def select_block_sets(
         return [_every_allowed_block(causal, hkv, layout.longest_span(window))] * len(limits)
 
     span = layout.longest_span(window)
-    per_block = hq * max(1, score_queries) * span * layout.block_size
+    fused = score_queries > 0 and sampling_kernel and fused_sampling_available(dev, q.shape[-1], layout.block_size)
+    # the largest temporary per query block: its sampled logits, or without them (fused) its pooled scores
+    per_block = hq * span * (1 if fused else max(1, score_queries) * layout.block_size)
     chunk = max(1, min(_chunk_elements(dev) // per_block, _CHUNK_ROWS_MAX.get(dev.type, nb)))
     if force_density is None:
         cap = min(span, max(max(k_max for _, k_max in limits), sink_blocks + local_blocks, k_min))
@@ -299,7 +308,10 @@ def select_block_sets(
     qb, kb = pooled(q, layout), pooled(k, layout)
     if score_queries > 0:
         k_scored = k.to(score_dtype or k.dtype)  # once per row (a no-op in q's precision)
-        scratch = _sampled_scratch(q, k, chunk, span, nb, layout.block_size, score_queries, k_scored.dtype)
+        if fused:
+            q, k_scored = q.contiguous(), k_scored.contiguous()
+        else:
+            scratch = _sampled_scratch(q, k, chunk, span, nb, layout.block_size, score_queries, k_scored.dtype)
     picks, counts = [], [[] for _ in limits]
     for i0 in range(0, nb, chunk):
         i1 = min(nb, i0 + chunk)
@@ -309,7 +321,12 @@ def select_block_sets(
         allowed = (j[None, :] >= lo[rows, None]) & (j[None, :] <= rows[:, None])  # [C, nk]
         p = _pooled_shares(qb[:, i0:i1], kb[:, k0:i1], layout.block_tokens[k0:i1], allowed, scale)
         if score_queries > 0:
-            sampled = _sampled_shares(q, k_scored, layout, i0, i1, k0, lo, window, scale, score_queries, scratch)
+            if fused:
+                sampled = sampled_block_mass(q, k_scored, sample_positions(layout, i0, i1, score_queries), lo,
+                                             layout.block_tokens, layout.block_size, i0, i1, k0, window, scale,
+                                             score_queries)
+            else:
+                sampled = _sampled_shares(q, k_scored, layout, i0, i1, k0, lo, window, scale, score_queries, scratch)
             p = torch.maximum(p, sampled)
             p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
         anchor = allowed & (((j[None, :] - layout.block_start[rows, None]) < sink_blocks)
@@ -393,6 +410,15 @@ def _sampled_scratch(q: torch.Tensor, k: torch.Tensor, chunk: int, span: int, nb
     return (torch.empty(size, dtype=dtype, device=q.device), torch.empty(size, dtype=dtype, device=q.device))
 
 
+def sample_positions(layout: Layout, i0: int, i1: int, per_block: int) -> torch.Tensor:
+    """[(i1 - i0) * per_block] the sampled query tokens of query blocks i0..i1-1: `per_block` evenly spaced
+    in each, the last on its last real token (a block's real tokens may be fewer than the block size)."""
+    rows = torch.arange(i0, i1, device=layout.block_tokens.device)
+    real = layout.block_tokens[rows].clamp(min=1)
+    t = torch.arange(1, per_block + 1, device=rows.device)
+    return (rows[:, None] * layout.block_size + ((t[None, :] * real[:, None]) // per_block - 1).clamp(min=0)).reshape(-1)
+
+
 def _sampled_shares(q: torch.Tensor, k: torch.Tensor, layout: Layout, i0: int, i1: int, k0: int,
                     lo: torch.Tensor, window: int | None, scale: float, per_block: int,
                     scratch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -403,10 +429,7 @@ def _sampled_shares(q: torch.Tensor, k: torch.Tensor, layout: Layout, i0: int, i
     (`_sampled_scratch`)."""
     hq, hkv, bs = q.shape[0], k.shape[0], layout.block_size
     dev = q.device
-    rows = torch.arange(i0, i1, device=dev)
-    real = layout.block_tokens[rows].clamp(min=1)
-    t = torch.arange(1, per_block + 1, device=dev)
-    qpos = (rows[:, None] * bs + ((t[None, :] * real[:, None]) // per_block - 1).clamp(min=0)).reshape(-1)
+    qpos = sample_positions(layout, i0, i1, per_block)
     kpos = torch.arange(k0 * bs, i1 * bs, device=dev)
     kblock = kpos // bs
     visible = ((kpos - kblock * bs) < layout.block_tokens[kblock])[None, :] & (kpos[None, :] <= qpos[:, None])

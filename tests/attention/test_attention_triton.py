@@ -1,34 +1,26 @@
 """The Triton block-sparse kernel == dense attention and the torch kernel, outputs and gradients.
 
-With a GPU the tests run the compiled kernels on CUDA. Without one they need triton's interpreter, and
-``TRITON_INTERPRET=1`` must be set before triton itself is imported: triton decorates its own language
-helpers (``tl.zeros`` and the like) with ``@triton.jit`` at import, and the variable is read at
-decoration. Inside a full pytest run triton has long been imported by then (sparsebalance_ft imports
-it), so on a CPU-only machine one test reruns this file in a fresh interpreter with the variable set;
-``TRITON_INTERPRET=1 pytest tests/attention/test_attention_triton.py`` runs the checks directly.
+With a GPU the tests run the compiled kernels on CUDA; without one, `test_kernels_in_fresh_interpreter`
+reruns this file under triton's interpreter (`_interpreter.py` says why it must be a fresh process).
 """
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from _interpreter import kernel_check, rerun_check, rerun_under_interpreter
 from _reference import full_selection, grads, masked_reference, qkv
 from sparsebalance_ft.attention import kernels
 from sparsebalance_ft.attention.kernels import block_sparse_attention, resolve_backend
-from sparsebalance_ft.attention.kernels.triton import _transposed_index, interpreting
+from sparsebalance_ft.attention.kernels.triton import _transposed_index
 
 pytest.importorskip("triton")
 
 BS, D = 16, 16
-IN_PROCESS = torch.cuda.is_available() or interpreting()
-kernel_check = pytest.mark.skipif(not IN_PROCESS, reason="runs in test_kernels_in_fresh_interpreter's subprocess")
 
 
 # What the interpreter cannot check, by the skip reason its cases give (the compiled kernels on a GPU check
@@ -39,27 +31,9 @@ INTERPRETER_SKIPS = {
 }
 
 
-@pytest.mark.skipif(IN_PROCESS, reason="the kernel checks run in this process")
+@rerun_check
 def test_kernels_in_fresh_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", __file__], env=env,
-                         capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout.splitlines()[-1], run.stdout[-2000:]
-    skipped: dict[str, int] = {}
-    for line in run.stdout.splitlines():  # "SKIPPED [4] path:line: reason" (-rs groups equal reasons)
-        if line.startswith("SKIPPED ["):
-            count, reason = int(line[9:line.index("]")]), line.split(": ", 1)[1]
-            if reason != "the kernel checks run in this process":  # this very test, inside the subprocess
-                skipped[reason] = skipped.get(reason, 0) + count
-    assert skipped == INTERPRETER_SKIPS, f"the subprocess skipped other cases than the known ones: {skipped}"
-    logging.getLogger(__name__).warning("triton interpreter: %d cases skipped, run by make gpu-check: %s",
-                                        sum(skipped.values()), skipped)
-
-
-@pytest.fixture
-def device():
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rerun_under_interpreter(__file__, INTERPRETER_SKIPS)
 
 
 def _triton(device, idx, counts, window=None, bs=BS):

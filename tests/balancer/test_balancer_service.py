@@ -1,7 +1,6 @@
 import json
 import logging
 import math
-import socket
 from datetime import timedelta
 
 import numpy as np
@@ -125,11 +124,6 @@ def test_bad_report_never_raises(caplog):
 
 # -- two real processes on gloo -----------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch
@@ -168,8 +162,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_process_exchange_on_gloo(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+def test_two_process_exchange_on_gloo(tmp_path, free_port):
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
 
     for key in ("normal", "broken", "layered"):  # the same decision on both ranks

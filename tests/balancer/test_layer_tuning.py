@@ -3,7 +3,6 @@ anchors, the recompute reusing the first forward's decision, and uneven micro-ba
 from __future__ import annotations
 
 import json
-import socket
 
 import numpy as np
 import pytest
@@ -205,11 +204,6 @@ def test_report_remembers_the_density_at_the_budget_not_the_moved_one(tmp_path):
     assert moved.doc_densities == alone.doc_densities  # the same density at the budget
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _uneven_worker(rank, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -240,8 +234,8 @@ def _uneven_worker(rank, port, out_dir):
 
 
 @pytest.mark.slow
-def test_uneven_micro_batch_counts_on_two_gloo_ranks(tmp_path):
-    mp.spawn(_uneven_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+def test_uneven_micro_batch_counts_on_two_gloo_ranks(tmp_path, free_port):
+    mp.spawn(_uneven_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert len(r0["gathered"]) == len(r1["gathered"]) == 6  # 2 micro-batches x 3 layers on both ranks
     assert r0["gathered"] == r1["gathered"]  # the same array, so the same rule, on both ranks

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import numpy as np
 import pytest
@@ -80,11 +79,6 @@ def test_state_round_trips_through_json():
         DocumentDensities(L[:5]).load_state_dict(state)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _sync_worker(rank, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -99,7 +93,7 @@ def _sync_worker(rank, port, out_dir):
 
 
 @pytest.mark.slow
-def test_step_observations_are_synced_exactly_on_two_gloo_ranks(tmp_path):
-    mp.spawn(_sync_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+def test_step_observations_are_synced_exactly_on_two_gloo_ranks(tmp_path, free_port):
+    mp.spawn(_sync_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1 == [[7, 3, 11], [0.25, 0.5, 0.125], [0.5, 0.4, 0.9]]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -118,11 +117,6 @@ def test_default_prior_uses_the_attention_budget_api_or_the_stand_in():
 # --------------------------------------------------------------------------- two real ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
@@ -142,10 +136,10 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_sync_across_two_gloo_ranks_is_identical_and_complete(tmp_path):
+def test_sync_across_two_gloo_ranks_is_identical_and_complete(tmp_path, free_port):
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     states = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert states[0]["total"] == states[1]["total"]
     # the merged statistics equal one process observing both ranks' data

@@ -2,7 +2,6 @@
 each; a few steps, a failure, and a resume, as on two machines that share the output filesystem."""
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
@@ -14,14 +13,8 @@ from sparsebalance_ft.train.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_nodes(recipe, *args, env=None) -> list[subprocess.CompletedProcess]:
-    port, run_id = _free_port(), f"sbft-{_free_port()}"
+def _two_nodes(port: int, recipe, *args, env=None) -> list[subprocess.CompletedProcess]:
+    run_id = f"sbft-{port}"
     agents = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
@@ -35,13 +28,13 @@ def _two_nodes(recipe, *args, env=None) -> list[subprocess.CompletedProcess]:
     return [subprocess.CompletedProcess(a.args, a.returncode, *out) for a, out in zip(agents, outputs)]
 
 
-def test_two_nodes_train_fail_and_resume(write_recipe, tmp_path):
+def test_two_nodes_train_fail_and_resume(write_recipe, tmp_path, free_port):
     recipe = write_recipe(training={"max_steps": 4, "checkpoint_every": 2})
-    failed = _two_nodes(recipe, env={"SBFT_FAIL_AT": "1:3"})
+    failed = _two_nodes(free_port(), recipe, env={"SBFT_FAIL_AT": "1:3"})
     assert all(agent.returncode != 0 for agent in failed)
     assert any("injected failure on rank 1 at step 3" in agent.stderr for agent in failed)
 
-    resumed = _two_nodes(recipe, "--resume")
+    resumed = _two_nodes(free_port(), recipe, "--resume")
     assert [agent.returncode for agent in resumed] == [0, 0], resumed[0].stderr[-2000:] + resumed[1].stderr[-2000:]
     assert any("resumed from" in agent.stderr and "checkpoint-2 at step 2" in agent.stderr for agent in resumed)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
