@@ -194,7 +194,14 @@ bench-memory-32k: install
 .PHONY: bench-step
 bench-step: install $(REAL)/sbft_model.json
 	$(SBFT) bench step --model $(REAL) --lengths 4096,8192,16384,32768 --repeats 3,3,3,2 \
-		--out $(BENCH)/step/step.json --work $(RUNS)/bench-step
+		--out $(BENCH)/step/step.json
+
+# The accuracy side of bench-step without its timing: each budget's loss against dense on the step's tokens, one
+# forward per arm and length (each length with its own rope scaling). About 1.7 hours on this CPU, 32K over half of it.
+.PHONY: bench-step-loss
+bench-step-loss: install $(REAL)/sbft_model.json
+	$(SBFT) bench step --loss-only --model $(REAL) --lengths 4096,8192,16384,32768 --arms dense,0.3,0.5,0.6,0.7 \
+		--out $(BENCH)/step/step-loss.json
 
 # Sharded against unsharded on two gloo ranks: SmolLM2-135M, 5 steps of one 2,048-token document per rank, the
 # default method (sparse attention, layer tuning). Each run's per-rank memory (memory.json) and losses (losses.jsonl).
@@ -229,7 +236,7 @@ gpu-check: install $(REAL)/sbft_model.json
 	done
 	for be in flex triton; do \
 		$(SBFT) bench step --model $(REAL) --device cuda --backend $$be --dtype bfloat16 --lengths 4096,16384,32768,65536 \
-			--repeats 2 --out $(BENCH)/gpu/step-$$be.json --work $(RUNS)/bench-step || exit 1; \
+			--repeats 2 --out $(BENCH)/gpu/step-$$be.json || exit 1; \
 	done
 	$(PY) -m sparsebalance_ft.bench.gpu_summary $(BENCH)/gpu
 

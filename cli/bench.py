@@ -455,14 +455,15 @@ def step(
     backend: str = typer.Option("auto", help="Sparse kernel: auto, torch, flex or triton."),
     dtype: str = typer.Option("auto", help="Weights dtype: auto (float32 on CPU, bf16 on a GPU), float32, bfloat16, float16."),
     quick: bool = typer.Option(False, "--quick", help="The tiny model at 512 tokens, one repeat (seconds)."),
-    out: Path = typer.Option(Path("bench_results/step/step.json"), "--out", help="Results as JSON (the PNG beside it)."),
-    work: Path = typer.Option(Path("runs/bench-step"), "--work", help="Rope-scaled model configs and the --quick model."),
+    loss_only: bool = typer.Option(False, "--loss-only", help="Each arm's loss, gap to dense and kept density from one forward per length (no backward, no timing, no repeats)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Results as JSON, the PNG beside it (default bench_results/step/step.json; --loss-only step-loss.json)."),
+    work: Path = typer.Option(Path("runs/bench-step"), "--work", help="Where --quick puts its tiny model."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key."),
 ) -> None:
     """A whole LoRA training step (as `sbft train` runs it), dense SDPA against the sparse attention per budget:
     step time, speedup, loss gap, kept density, memory, the Amdahl ceiling and where the sparse step's time goes."""
-    from sparsebalance_ft.bench.step import StepPlan, run_step_bench
-    from sparsebalance_ft.bench.step_report import step_table_markdown
+    from sparsebalance_ft.bench.step import StepPlan, run_loss_bench, run_step_bench
+    from sparsebalance_ft.bench.step_report import loss_table_markdown, step_table_markdown
 
     if model is None:
         if quick:
@@ -477,8 +478,14 @@ def step(
     counts = [int(x) for x in _floats(repeats or ("1" if quick else "3"), "repeats")]
     plan = StepPlan(lengths=lens, arms=[a.strip() for a in arms.split(",") if a.strip()], repeats=counts,
                     device=device, backend=backend, dtype=dtype)
-    result = run_step_bench(recipe_path, model, plan, out, work, overrides or [],
-                            say=lambda line: console.print(line, highlight=False))
+    out = out or Path("bench_results/step") / ("step-loss.json" if loss_only else "step.json")
+    say = lambda line: console.print(line, highlight=False)  # noqa: E731
+    if loss_only:
+        result = run_loss_bench(recipe_path, model, plan, out, overrides or [], say=say)
+        console.print(loss_table_markdown(result), highlight=False)
+        console.print(f"wrote {out}")
+        return
+    result = run_step_bench(recipe_path, model, plan, out, overrides or [], say=say)
     console.print(step_table_markdown(result), highlight=False)
     console.print(f"wrote {out} and {out.with_suffix('.png')}")
 

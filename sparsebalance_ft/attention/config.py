@@ -28,7 +28,8 @@ class SparsityConfig(BaseModel):
     )
     tau: float = Field(
         0.8, gt=0.0, le=1.0, description="selection mass: share of the estimated mass outside the anchors that the "
-        "kept blocks hold at the default budget (0.8: loss within 1% of dense at 4K tokens on SmolLM2-135M).",
+        "kept blocks hold at the default budget (0.8: loss 0.5-1.4% above dense at 4K-16K tokens on SmolLM2-135M; "
+        "budget 0.6 keeps it within 1%, docs/benchmarks/step.md).",
     )
     anchor_margin: float = Field(
         2.0, gt=0.0, description="selection anchor: log-share margin below the anchor reference at the default budget."

@@ -17,7 +17,8 @@ and the optimizer state are put back to where they started, so every arm's step 
 the same tokens: the loss gap to dense is the attention's effect alone. `StepProbe` (bench/step_probe.py)
 measures inside every timed step where the time goes (attention, selection, kernel forward and backward,
 recomputation) and counts host synchronisations. The JSON is rewritten after every repeat, so a run
-stopped early keeps what it measured.
+stopped early keeps what it measured. `--loss-only` (`run_loss_bench`) keeps the accuracy side alone: each
+arm's loss from one forward, no timing.
 
 Amdahl: with `a` the share of the dense step spent in attention and `d` the kept density, a sparse step can
 be at most ``1 / (1 - a + a * d)`` times faster than dense (attention cost taken as proportional to the
@@ -91,7 +92,7 @@ def length_recipe(base: Recipe, length: int) -> Recipe:
     (docs/context-extension.md), so the dense arm's loss there is a sane reference and `loss_gap` measures
     the attention rather than the damage the scaling does. The step's cost does not depend on the type."""
     data = base.model_dump(mode="json")
-    data["data"]["max_seq_len"] = max(length, data["data"]["max_seq_len"])
+    data["data"]["max_seq_len"] = length
     native = native_positions(base.model.path)
     if native and length > native and data["model"].get("rope_scaling") is None:
         data["model"]["rope_scaling"] = {"type": "yarn", "factor": "auto"}
@@ -112,6 +113,15 @@ class Sample:
     spans: dict[str, float]
     syncs: int
     attention_syncs: int
+
+
+@dataclass
+class LossSample:
+    arm: str
+    loss: float
+    kept_density: float
+    recall: float | None
+    forward_s: float
 
 
 class LengthRun:
@@ -187,6 +197,27 @@ class LengthRun:
         return Sample(arm, step_s, local.loss_sum / max(local.target_tokens, 1),
                       1.0 if density is None else float(density), report.mean_recall, memory.peak_bytes, spans,
                       probe.syncs, probe.attention_syncs)
+
+    def forward_loss(self, arm: str, tokens: np.ndarray) -> LossSample:
+        """The loss `step` would report for `arm` on `tokens`, from the forward alone: no backward, no
+        checkpoint recompute, no optimizer step, so the accuracy side of the bench reaches 32K in minutes."""
+        from ..data import pack_micro_batch
+        from ..train.loss import micro_batch_loss
+        from ..train.step import synchronize
+
+        self._use(arm)
+        device = self.accelerator.device
+        batch = {k: v.to(device) for k, v in pack_micro_batch([tokens]).items() if isinstance(v, torch.Tensor)}
+        self.probe.begin()
+        start = time.perf_counter()
+        with torch.no_grad(), self.accelerator.autocast():
+            loss_sum, count = micro_batch_loss(self.model, batch, self.recipe.training.loss)
+        synchronize(device)
+        forward_s = time.perf_counter() - start
+        self.probe.finish()
+        report = self.controller.pop_report()
+        density = 1.0 if arm == "dense" or report.mean_density is None else float(report.mean_density)
+        return LossSample(arm, float(loss_sum) / max(count, 1), density, report.mean_recall, forward_s)
 
     def close(self) -> None:
         """Release this length's model and optimizer (the accelerator holds the prepared optimizer: without
@@ -329,31 +360,46 @@ def bench_recipe(recipe_path: Path, model_dir: Path, plan: StepPlan, overrides: 
     return load_recipe(recipe_path, forced + list(overrides))
 
 
-def run_step_bench(recipe_path: Path, model_dir: Path, plan: StepPlan, out: Path, work: Path,
+class _BenchSetup:
+    """What every length of a run shares: the recipe as given, the data read once up to the longest length,
+    the accelerator, the probe and the result's header."""
+
+    def __init__(self, recipe_path: Path, model_dir: Path, plan: StepPlan, overrides: list[str]):
+        from ..data import load_corpus
+        from ..train.loop import make_accelerator
+        from ..train.model import load_tokenizer
+
+        self.recipe = bench_recipe(recipe_path, model_dir, plan, overrides)
+        longest = length_recipe(self.recipe, max(plan.lengths))
+        self.corpus = load_corpus(longest.data, load_tokenizer(longest), progress=False)
+        self.accelerator = make_accelerator(longest, cpu=plan.device == "cpu")
+        self.probe = StepProbe(self.accelerator.device)
+        register_timed_attentions(self.probe)
+        self.result = _result_header(longest, plan, torch.device(plan.device))
+
+    def length_run(self, length: int) -> tuple[LengthRun, np.ndarray]:
+        """The model at `length`, with the rope scaling of that length alone (a shorter length within the
+        native positions runs unscaled, whatever the longest needs), and its tokens."""
+        recipe = length_recipe(self.recipe, length)
+        scaling = recipe.model.rope_scaling
+        self.result["lengths"][str(length)] = {"model_path": recipe.model.path,
+                                               "rope_scaling": scaling.model_dump(mode="json") if scaling else None}
+        return LengthRun(recipe, self.accelerator, self.probe), bench_tokens(self.corpus, length)
+
+
+def run_step_bench(recipe_path: Path, model_dir: Path, plan: StepPlan, out: Path,
                    overrides: list[str] | None = None, say: Callable[[str], None] = lambda line: None) -> dict:
     """Every arm at every length (see the module docstring); writes `out` (JSON) after each repeat and the
     PNG beside it at the end. Returns the result."""
-    from ..data import load_corpus
-    from ..train.loop import make_accelerator
-    from ..train.model import load_tokenizer
-
     plan.check()
-    recipe = bench_recipe(recipe_path, model_dir, plan, overrides or [])
-    base = length_recipe(recipe, max(plan.lengths))  # the data read once, up to the longest
-    corpus = load_corpus(base.data, load_tokenizer(base), progress=False)
-    device = torch.device(plan.device)
-    accelerator = make_accelerator(base, cpu=plan.device == "cpu")
-    probe = StepProbe(accelerator.device)
-    register_timed_attentions(probe)
-    result = _result_header(base, plan, device)
+    setup = _BenchSetup(recipe_path, model_dir, plan, overrides or [])
+    device, result = torch.device(plan.device), setup.result
     out.parent.mkdir(parents=True, exist_ok=True)
     for length, repeats in zip(plan.lengths, plan.repeats):
-        recipe = length_recipe(base, length)
-        tokens = bench_tokens(corpus, length)
-        run = LengthRun(recipe, accelerator, probe)
+        run, tokens = setup.length_run(length)
         layers = len(run.layers)
-        result["lengths"][str(length)] = {"model_path": recipe.model.path, "repeats": repeats,
-                                          "warmup_tokens": length if device.type == "cuda" else min(length, CPU_WARMUP_TOKENS)}
+        result["lengths"][str(length)].update(
+            repeats=repeats, warmup_tokens=length if device.type == "cuda" else min(length, CPU_WARMUP_TOKENS))
         warm = tokens[:result["lengths"][str(length)]["warmup_tokens"]]
         for arm in plan.arms:
             run.step(arm, warm)
@@ -377,6 +423,42 @@ def run_step_bench(recipe_path: Path, model_dir: Path, plan: StepPlan, out: Path
     return result
 
 
+def loss_rows(length: int, samples: list[LossSample]) -> list[dict[str, Any]]:
+    """One row per arm of one length: loss, gap to dense on the same tokens, kept density, recall."""
+    dense = next((s.loss for s in samples if s.arm == "dense"), None)
+    return [{"length": length, "arm": s.arm, "budget": None if s.arm == "dense" else float(s.arm),
+             "loss": s.loss, "loss_gap": (s.loss - dense) / dense if dense else None,
+             "kept_density": s.kept_density, "recall": s.recall, "forward_s": s.forward_s} for s in samples]
+
+
+def run_loss_bench(recipe_path: Path, model_dir: Path, plan: StepPlan, out: Path,
+                   overrides: list[str] | None = None, say: Callable[[str], None] = lambda line: None) -> dict:
+    """`--loss-only`: every arm's loss on the step's tokens at every length, one forward each (the loss is
+    deterministic, so no repeats), with the same recipe, weights and rope scaling as `run_step_bench`.
+    Writes `out` after each arm."""
+    plan.check()
+    setup = _BenchSetup(recipe_path, model_dir, plan, overrides or [])
+    result = setup.result
+    result["setup"]["step"] = ("pack_micro_batch + the trainer's micro_batch_loss under no_grad (forward only), "
+                               "from the same starting weights for every arm")
+    result["notes"] = []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for length in plan.lengths:
+        run, tokens = setup.length_run(length)
+        samples = []
+        for arm in plan.arms:
+            sample = run.forward_loss(arm, tokens)
+            samples.append(sample)
+            say(f"  L={length} {arm:>5}: loss {sample.loss:.4f} density {sample.kept_density:.3f} "
+                f"({sample.forward_s:.1f}s)")
+            result["rows"] = [row for row in result["rows"] if row["length"] != length] + loss_rows(length, samples)
+            _write(result, out)
+        run.close()
+    result["complete"] = True
+    _write(result, out)
+    return result
+
+
 def _result_header(recipe: Recipe, plan: StepPlan, device: torch.device) -> dict:
     notes = []
     if min(plan.repeats) < 3:
@@ -395,7 +477,8 @@ def _result_header(recipe: Recipe, plan: StepPlan, device: torch.device) -> dict
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "step": "pack_micro_batch + run_local_step (forward, loss, backward with gradient checkpointing) "
                     "+ clip + optimizer step + attention report, from the same starting weights for every arm",
-            "data": "the longest documents of data.path joined into one document of each length",
+            "data": "the first tokens of data.path's longest document (documents truncated at the longest length, "
+                    "ties in file order), more documents joined when it is shorter than the length",
             "peak_mem": memory,
             "host_syncs": ("see counted_syncs in sparsebalance_ft/bench/step_probe.py: CUDA sync debug mode on "
                            "a GPU, Python-level tensor value reads on CPU"),

@@ -2,7 +2,8 @@
 beside each budget's Amdahl ceiling.
 
 `python -m sparsebalance_ft.bench.step_report STEP.json` prints the table and writes the PNG of a run,
-also of one stopped before its end (the JSON keeps every finished repeat; `repeats` says how many).
+also of one stopped before its end (the JSON keeps every finished repeat; `repeats` says how many). For a
+`--loss-only` run it prints the loss table alone.
 """
 from __future__ import annotations
 
@@ -64,9 +65,27 @@ def step_table_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def loss_table_markdown(result: dict) -> str:
+    """A `--loss-only` run's rows as a Markdown table (length, arm, loss, gap to dense, density, recall)."""
+    f = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
+    lines = ["| tokens | arm | loss | loss gap | kept density | recall | forward s |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in sorted(result["rows"], key=lambda r: (r["length"], r["arm"] != "dense", r["arm"])):
+        lines.append(f"| {r['length']:,} | {r['arm']} | {r['loss']:.4f} | {f(r['loss_gap'], '+.2%')} | "
+                     f"{r['kept_density']:.3f} | {f(r['recall'], '.3f')} | {r['forward_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def is_loss_only(result: dict) -> bool:
+    return bool(result["rows"]) and "step_s" not in result["rows"][0]
+
+
 def main(argv: list[str] | None = None) -> None:
     path = Path((argv if argv is not None else sys.argv[1:])[0])
     result = json.loads(path.read_text())
+    if is_loss_only(result):
+        print(loss_table_markdown(result))
+        return
     print(step_table_markdown(result))
     print(f"wrote {save_step_png(result, path.with_suffix('.png'))}")
 

@@ -3,9 +3,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
-from sparsebalance_ft.bench.step import StepPlan, amdahl_ceiling, length_recipe, run_step_bench
+from sparsebalance_ft.bench.step import StepPlan, amdahl_ceiling, length_recipe, run_loss_bench, run_step_bench
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "bench-step.yaml"
 FIELDS = ("length", "arm", "step_s", "tokens_per_s", "speedup_vs_dense", "loss_gap", "kept_density", "peak_mem_bytes",
@@ -18,7 +19,7 @@ def quick_result(tiny_model_dir, text_corpus_dir, tmp_path_factory):
     plan = StepPlan(lengths=[512], arms=["dense", "0.3", "1.0"], repeats=[1])
     overrides = [f"data.path={text_corpus_dir}", "data.text_glob=*", f"data.cache_dir={tmp / 'cache'}"]
     out = tmp / "step.json"
-    return run_step_bench(RECIPE, tiny_model_dir, plan, out, tmp / "work", overrides), out
+    return run_step_bench(RECIPE, tiny_model_dir, plan, out, overrides), out
 
 
 def test_rows_carry_every_field_and_the_file_matches(quick_result):
@@ -46,6 +47,49 @@ def test_full_budget_loss_equals_dense_on_the_same_tokens(quick_result):
     assert abs(rows["1.0"]["loss"] - rows["dense"]["loss"]) <= 1e-4 * rows["dense"]["loss"]
     assert abs(rows["1.0"]["loss_gap"]) <= 1e-4
     assert rows["0.3"]["loss"] != rows["dense"]["loss"]  # a sparse budget does change what is computed
+
+
+def test_loss_only_gives_the_steps_losses_and_densities_from_a_forward(quick_result, tiny_model_dir,
+                                                                       text_corpus_dir, tmp_path, capsys):
+    from sparsebalance_ft.bench.step_report import main
+
+    plan = StepPlan(lengths=[512], arms=["dense", "0.3", "1.0"], repeats=[1])
+    overrides = [f"data.path={text_corpus_dir}", "data.text_glob=*", f"data.cache_dir={tmp_path / 'cache'}"]
+    out = tmp_path / "loss.json"
+    result = run_loss_bench(RECIPE, tiny_model_dir, plan, out, overrides)
+    assert json.loads(out.read_text()) == result and result["complete"]
+    stepped = {row["arm"]: row for row in quick_result[0]["rows"]}
+    for row in result["rows"]:  # the step's loss came with a backward and an optimizer step around it
+        assert row["loss"] == pytest.approx(stepped[row["arm"]]["loss"], rel=1e-5)
+        assert row["kept_density"] == pytest.approx(stepped[row["arm"]]["kept_density"], rel=1e-6)
+        assert row["loss_gap"] == pytest.approx(stepped[row["arm"]]["loss_gap"], abs=1e-5)
+    main([str(out)])
+    assert "| 512 | 0.3 |" in capsys.readouterr().out
+
+
+def test_each_length_runs_with_its_own_rope_scaling(tiny_model_dir, text_corpus_dir, tmp_path):
+    """A length within the native positions runs unscaled even when a longer length in the same run needs a
+    scaling: its loss is the checkpoint's own, as transformers computes it."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from sparsebalance_ft.bench.step import _BenchSetup
+
+    model = tmp_path / "native-256"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+    overrides = [f"data.path={text_corpus_dir}", "data.text_glob=*", f"data.cache_dir={tmp_path / 'cache'}"]
+    setup = _BenchSetup(RECIPE, model, StepPlan(lengths=[256, 512], arms=["dense"], repeats=[1]), overrides)
+    run, tokens = setup.length_run(256)
+    setup.length_run(512)
+    assert setup.result["lengths"]["256"]["rope_scaling"] is None
+    assert setup.result["lengths"]["512"]["rope_scaling"]["type"] == "yarn"
+    ids = torch.as_tensor(tokens, dtype=torch.long)[None]
+    with torch.no_grad():
+        reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)(ids, labels=ids).loss
+    assert run.forward_loss("dense", tokens).loss == pytest.approx(float(reference), rel=1e-5)
 
 
 def test_ceiling_from_measured_share_and_density(quick_result):
