@@ -124,6 +124,11 @@ class LossSample:
     forward_s: float
 
 
+def _kept_density(arm: str, report) -> float:
+    """The kept share of causal blocks an arm's forward ran with: 1 for dense SDPA (it reports nothing)."""
+    return 1.0 if arm == "dense" or report.mean_density is None else float(report.mean_density)
+
+
 class LengthRun:
     """The recipe's model at one length, ready to step any arm from the same starting weights."""
 
@@ -193,9 +198,8 @@ class LengthRun:
             synchronize(device)
             step_s = time.perf_counter() - start
         spans = probe.finish()
-        density = 1.0 if arm == "dense" else report.mean_density
         return Sample(arm, step_s, local.loss_sum / max(local.target_tokens, 1),
-                      1.0 if density is None else float(density), report.mean_recall, memory.peak_bytes, spans,
+                      _kept_density(arm, report), report.mean_recall, memory.peak_bytes, spans,
                       probe.syncs, probe.attention_syncs)
 
     def forward_loss(self, arm: str, tokens: np.ndarray) -> LossSample:
@@ -216,8 +220,8 @@ class LengthRun:
         forward_s = time.perf_counter() - start
         self.probe.finish()
         report = self.controller.pop_report()
-        density = 1.0 if arm == "dense" or report.mean_density is None else float(report.mean_density)
-        return LossSample(arm, float(loss_sum) / max(count, 1), density, report.mean_recall, forward_s)
+        return LossSample(arm, float(loss_sum) / max(count, 1), _kept_density(arm, report), report.mean_recall,
+                          forward_s)
 
     def close(self) -> None:
         """Release this length's model and optimizer (the accelerator holds the prepared optimizer: without
@@ -379,7 +383,8 @@ class _BenchSetup:
 
     def length_run(self, length: int) -> tuple[LengthRun, np.ndarray]:
         """The model at `length`, with the rope scaling of that length alone (a shorter length within the
-        native positions runs unscaled, whatever the longest needs), and its tokens."""
+        native positions runs unscaled, whatever the longest needs), and its tokens. Records the length's
+        model and scaling in the result's `lengths`."""
         recipe = length_recipe(self.recipe, length)
         scaling = recipe.model.rope_scaling
         self.result["lengths"][str(length)] = {"model_path": recipe.model.path,
