@@ -196,12 +196,22 @@ bench-step: install $(REAL)/sbft_model.json
 	$(SBFT) bench step --model $(REAL) --lengths 4096,8192,16384,32768 --repeats 3,3,3,2 \
 		--out $(BENCH)/step/step.json
 
+# The default budget against dense at the lengths where it pays, as README's speed row reads it: 16K twice, 32K once
+# (a dense 32K step is 22 minutes on a 2-core CPU with AMX); 53 minutes there.
+.PHONY: bench-step-default
+bench-step-default: install $(REAL)/sbft_model.json
+	$(SBFT) bench step --model $(REAL) --lengths 32768,16384 --arms dense,0.5 --repeats 1,2 \
+		--out $(BENCH)/step/step-default.json
+
 # The accuracy side of bench-step without its timing: each budget's loss against dense on the step's tokens, one
-# forward per arm and length (each length with its own rope scaling). About 1.7 hours on this CPU, 32K over half of it.
+# forward per arm and length (each length with its own rope scaling). 7 minutes for 4K-16K on a CPU with AMX, then
+# 32K (YaRN x4) with budget 0.6 in place of 0.3, about 20 minutes more.
 .PHONY: bench-step-loss
 bench-step-loss: install $(REAL)/sbft_model.json
-	$(SBFT) bench step --loss-only --model $(REAL) --lengths 4096,8192,16384,32768 --arms dense,0.3,0.5,0.6,0.7 \
+	$(SBFT) bench step --loss-only --model $(REAL) --lengths 4096,8192,16384 --arms dense,0.3,0.5,0.7 \
 		--out $(BENCH)/step/step-loss.json
+	$(SBFT) bench step --loss-only --model $(REAL) --lengths 32768 --arms dense,0.5,0.6,0.7 \
+		--out $(BENCH)/step/step-loss-32k.json
 
 # Sharded against unsharded on two gloo ranks: SmolLM2-135M, 5 steps of one 2,048-token document per rank, the
 # default method (sparse attention, layer tuning). Each run's per-rank memory (memory.json) and losses (losses.jsonl).

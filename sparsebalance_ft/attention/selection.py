@@ -241,7 +241,7 @@ def select_blocks(
     scale: float,
     force_density: float | None = None,
     window: int | None = None,
-    score_queries: int = 4,
+    score_queries: int = 8,
 ) -> Selection:
     """Select key blocks for one row. q: [Hq, padded, D], k: [Hkv, padded, D] in the layout. Exactly one of
     `tau` (the mass rule) and `margin` (the anchor rule) is given; see `select_block_sets`."""
@@ -267,7 +267,7 @@ def select_block_sets(
     scale: float,
     force_density: float | None = None,
     window: int | None = None,
-    score_queries: int = 4,
+    score_queries: int = 8,
     score_dtype: torch.dtype | None = None,
     sampling_kernel: bool = True,
 ) -> list[Selection]:
