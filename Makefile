@@ -197,7 +197,7 @@ bench-step: install $(REAL)/sbft_model.json
 		--out $(BENCH)/step/step.json
 
 # The default budget against dense at the lengths where it pays, as README's speed row reads it: 16K twice, 32K once
-# (a dense 32K step is 22 minutes on a 2-core CPU with AMX); 53 minutes there.
+# (a dense 32K step is 22 minutes on a 2-core CPU with AMX); about 50 minutes there.
 .PHONY: bench-step-default
 bench-step-default: install $(REAL)/sbft_model.json
 	$(SBFT) bench step --model $(REAL) --lengths 32768,16384 --arms dense,0.5 --repeats 1,2 \
