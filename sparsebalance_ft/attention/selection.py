@@ -44,9 +44,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .config import SparsityConfig
 from .kernels.sampled_mass import fused_sampling_available, sampled_block_mass
 
 _NEG_INF = float("-inf")
+# The recipe's default, so that a caller without a recipe (a bench, a test) selects as training does.
+_DEFAULT_SCORE_QUERIES: int = SparsityConfig.model_fields["score_queries"].default
 
 
 @dataclass
@@ -241,7 +244,7 @@ def select_blocks(
     scale: float,
     force_density: float | None = None,
     window: int | None = None,
-    score_queries: int = 8,
+    score_queries: int = _DEFAULT_SCORE_QUERIES,
 ) -> Selection:
     """Select key blocks for one row. q: [Hq, padded, D], k: [Hkv, padded, D] in the layout. Exactly one of
     `tau` (the mass rule) and `margin` (the anchor rule) is given; see `select_block_sets`."""
@@ -267,7 +270,7 @@ def select_block_sets(
     scale: float,
     force_density: float | None = None,
     window: int | None = None,
-    score_queries: int = 8,
+    score_queries: int = _DEFAULT_SCORE_QUERIES,
     score_dtype: torch.dtype | None = None,
     sampling_kernel: bool = True,
 ) -> list[Selection]:
