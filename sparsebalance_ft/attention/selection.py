@@ -87,6 +87,15 @@ class Layout:
             self._host_blocks = (starts, tokens)
         return self._host_blocks
 
+    def first_allowed_blocks(self, window: int | None = None) -> list[int]:
+        """Each query block's first allowed key block, its document's first or its window's (`arange -
+        causal_counts + 1`), as a host list from `doc_lengths` alone: never a read of the device."""
+        starts, _ = self.host_blocks()
+        if window is None:
+            return starts
+        bs = self.block_size
+        return [max(start, (i * bs - window - bs + 1) // bs + 1) for i, start in enumerate(starts)]
+
     def longest_span(self, window: int | None = None) -> int:
         """The most allowed key blocks of any query block (`causal_counts(...).max()`, known on the host):
         the longest document's blocks, or fewer under a sliding window."""
@@ -193,9 +202,10 @@ def pooled(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     return s / layout.block_tokens.clamp(min=1).to(s.dtype)[None, :, None]
 
 
-# Elements of one chunk's sampled logits (and of their softmax, a second buffer): 32 MiB each in bfloat16 on
-# CPU, where 4x fewer elements (so more chunks, each a few dozen small ops) made the selection 1.4x slower at
-# 32K tokens; a GPU takes bigger chunks, because each chunk is a few dozen kernel launches.
+# Elements of one chunk's sampled logits (softmaxed in place): 32 MiB in bfloat16 on CPU, where 4x fewer
+# elements (so more chunks, each a few dozen small ops) made the selection 1.4x slower at 32K tokens, and half
+# or twice as many were no faster with 8 sampled tokens; a GPU takes bigger chunks, because each chunk is a
+# few dozen kernel launches.
 _CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 26}
 # Most query blocks per chunk on CPU: 8 was the fastest measured at 1K-32K tokens. Fewer pay a few dozen
 # small ops per block (a third of the selection's time at 32K with one block per chunk); more leave the
@@ -281,10 +291,10 @@ def select_block_sets(
 
     Query blocks are scored and selected in chunks, so no temporary grows with (query blocks x key blocks):
     the largest is one chunk's sampled logits (with the kernel, which writes none, its pooled scores),
-    `_CHUNK_ELEMENTS` elements. No host sync on a GPU: the longest
-    causal span (sizing the chunks) comes from the layout's document lengths and every selection is as
-    wide as its cap, so nothing is read back from the device (on CPU, where reads cost nothing, each chunk
-    looks up the few key columns it must mask). `sampling_kernel`: score the sampled queries with the Triton
+    `_CHUNK_ELEMENTS` elements. No host sync on a GPU: the longest causal span (sizing the chunks), each
+    chunk's first allowed key block and the key columns its sampled queries may not see come from the
+    layout's document lengths, and every selection is as wide as its cap, so nothing is read back from the
+    device. `sampling_kernel`: score the sampled queries with the Triton
     kernel where it runs (`fused_sampling_available`); False keeps torch ops everywhere."""
     if rule not in ("mass", "anchor") or not limits:
         raise ValueError(f"select_block_sets: rule must be 'mass' or 'anchor' with at least one limit, got {rule!r}")
@@ -309,16 +319,20 @@ def select_block_sets(
     else:
         cap = min(max(1, round(force_density * span)), span)  # forced_count at the longest span
     qb, kb = pooled(q, layout), pooled(k, layout)
+    first_allowed = layout.first_allowed_blocks(window)
     if score_queries > 0:
         k_scored = k.to(score_dtype or k.dtype)  # once per row (a no-op in q's precision)
         if fused:
             q, k_scored = q.contiguous(), k_scored.contiguous()
         else:
             scratch = _sampled_scratch(q, k, chunk, span, nb, layout.block_size, score_queries, k_scored.dtype)
+            # every sampled token of the row gathered and scaled once, not per chunk (q is strided from the model)
+            qpos = sample_positions(layout, 0, nb, score_queries)
+            q_sampled = q[:, qpos].mul_(scale).to(k_scored.dtype)  # in place: one float32 copy, not two
     picks, counts = [], [[] for _ in limits]
     for i0 in range(0, nb, chunk):
         i1 = min(nb, i0 + chunk)
-        k0 = max(0, i0 - span + 1)  # the chunk's key blocks k0..i1-1 hold every allowed one
+        k0 = first_allowed[i0]  # key blocks k0..i1-1 hold every one the chunk's rows may see (lo ascends)
         rows = ar[i0:i1]
         j = ar[k0:i1]
         allowed = (j[None, :] >= lo[rows, None]) & (j[None, :] <= rows[:, None])  # [C, nk]
@@ -329,7 +343,8 @@ def select_block_sets(
                                              layout.block_tokens, layout.block_size, i0, i1, k0, window, scale,
                                              score_queries)
             else:
-                sampled = _sampled_shares(q, k_scored, layout, i0, i1, k0, lo, window, scale, score_queries, scratch)
+                sampled = _sampled_shares(q_sampled, qpos, k_scored, layout, i0, i1, k0, lo, first_allowed, window,
+                                          score_queries, scratch)
             p = torch.maximum(p, sampled)
             p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
         anchor = allowed & (((j[None, :] - layout.block_start[rows, None]) < sink_blocks)
@@ -402,15 +417,15 @@ def _pooled_shares(qb: torch.Tensor, kb: torch.Tensor, block_tokens: torch.Tenso
 
 
 def _sampled_scratch(q: torch.Tensor, k: torch.Tensor, chunk: int, span: int, nb: int, block_size: int,
-                     per_block: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two flat buffers, the sampled logits and their softmax, sized for the largest chunk and reused by every
-    chunk: a fresh multi-MiB tensor per chunk is, on CPU, a fresh mmap and its page faults (that doubled the
-    selection's time at 32K tokens). `dtype`: the scoring precision."""
+                     per_block: int, dtype: torch.dtype) -> torch.Tensor:
+    """One flat buffer for the sampled logits, softmaxed in place, sized for the largest chunk and reused by
+    every chunk: a fresh multi-MiB tensor per chunk is, on CPU, a fresh mmap and its page faults (that doubled
+    the selection's time at 32K tokens). `dtype`: the scoring precision."""
     hq, hkv = q.shape[0], k.shape[0]
     rows, keys = chunk * per_block, min(nb, span + chunk - 1) * block_size
     # every head at once within the chunk budget; one key-value head's group at a time past it
     size = max(min(hq * rows * keys, _chunk_elements(q.device)), hq // hkv * rows * keys)
-    return (torch.empty(size, dtype=dtype, device=q.device), torch.empty(size, dtype=dtype, device=q.device))
+    return torch.empty(size, dtype=dtype, device=q.device)
 
 
 def sample_positions(layout: Layout, i0: int, i1: int, per_block: int) -> torch.Tensor:
@@ -422,48 +437,76 @@ def sample_positions(layout: Layout, i0: int, i1: int, per_block: int) -> torch.
     return (rows[:, None] * layout.block_size + ((t[None, :] * real[:, None]) // per_block - 1).clamp(min=0)).reshape(-1)
 
 
-def _sampled_shares(q: torch.Tensor, k: torch.Tensor, layout: Layout, i0: int, i1: int, k0: int,
-                    lo: torch.Tensor, window: int | None, scale: float, per_block: int,
-                    scratch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def _visible(layout: Layout, qpos: torch.Tensor, kpos: torch.Tensor, lo: torch.Tensor,
+             window: int | None) -> torch.Tensor:
+    """[nq, nk] whether each sampled query token (position `qpos`) may see each key position `kpos`: a real
+    token, not later, in or after the query block's first allowed key block `lo`, within the window."""
+    bs = layout.block_size
+    kblock = kpos // bs
+    ok = ((kpos - kblock * bs) < layout.block_tokens[kblock])[None, :] & (kpos[None, :] <= qpos[:, None])
+    ok &= kblock[None, :] >= lo[qpos // bs, None]
+    if window is not None:
+        ok &= kpos[None, :] > qpos[:, None] - window
+    return ok
+
+
+def _spans_maybe_hidden(layout: Layout, i0: int, i1: int, k0: int, first_allowed: list[int], window: int | None,
+                        per_block: int) -> list[tuple[int, int]]:
+    """Column ranges (counted from key block `k0`'s first token) holding every key that some sampled query of
+    query blocks i0..i1-1 may not see, bounded on the host from the chunk's ends and the layout (no read of
+    the device): masking only these, in place, skips building and applying a mask over the chunk's whole span
+    (a fifth of the selection's time at 32K tokens on CPU).
+
+    - a suffix, after the chunk's first sampled token (`sample_positions`' first of block i0): the causal
+      triangle, and the padding of a document's partly filled last block, never before the chunk's rows;
+    - a prefix, before the last row's first allowed block (`first_allowed` ascends) or out of its last
+      token's window: earlier documents and their padding."""
+    bs = layout.block_size
+    start, width = k0 * bs, (i1 - k0) * bs
+    before = first_allowed[i1 - 1] * bs - start
+    if window is not None:
+        before = max(before, i1 * bs - window - start)
+    real = max(1, layout.host_blocks()[1][i0])
+    after = i0 * bs + max(0, real // per_block - 1) + 1 - start
+    if before >= after:
+        return [(0, width)]
+    return [(0, before), (after, width)] if before > 0 else [(after, width)]
+
+
+def _sampled_shares(q_sampled: torch.Tensor, qpos: torch.Tensor, k: torch.Tensor, layout: Layout, i0: int,
+                    i1: int, k0: int, lo: torch.Tensor, first_allowed: list[int], window: int | None,
+                    per_block: int, scratch: torch.Tensor) -> torch.Tensor:
     """[Hkv, C, nk] exact softmax mass per key block of `per_block` query tokens of each query block (evenly
     spaced, ending at its last real token), averaged over them and the group's query heads. Sharp where the
     pooled estimate is blind: the block holding a retrieved fact gets the mass its reader gives it.
-    `k` is in the scoring precision, which the logits take; they and their softmax live in `scratch`
-    (`_sampled_scratch`)."""
-    hq, hkv, bs = q.shape[0], k.shape[0], layout.block_size
-    dev = q.device
-    qpos = sample_positions(layout, i0, i1, per_block)
-    kpos = torch.arange(k0 * bs, i1 * bs, device=dev)
-    kblock = kpos // bs
-    visible = ((kpos - kblock * bs) < layout.block_tokens[kblock])[None, :] & (kpos[None, :] <= qpos[:, None])
-    visible &= kblock[None, :] >= lo[qpos // bs, None]
-    if window is not None:
-        visible &= kpos[None, :] > qpos[:, None] - window
-    hidden = ~visible
-    cols = None  # on a GPU every column is masked: finding the few hidden ones (nonzero) would synchronise
-    if dev.type == "cpu":
-        cols = hidden.any(0).nonzero().squeeze(1)  # the few key columns some sampled query must not see
-        hidden = hidden[:, cols]
-    g, d, nq, nk = hq // hkv, q.shape[-1], qpos.numel(), kpos.numel()
-    qs = (q[:, qpos] * scale).to(k.dtype).reshape(hkv, g * nq, d)
+    `q_sampled` [Hq, nb * per_block, D]: the row's sampled tokens (`sample_positions`, at `qpos`), scaled
+    and in the scoring precision, which `k` and the logits take; the logits, then their softmax, live in
+    `scratch` (`_sampled_scratch`). `lo` and `first_allowed`: each query block's first allowed key block, on
+    the device and on the host."""
+    hq, hkv, bs = q_sampled.shape[0], k.shape[0], layout.block_size
+    g, d, nk = hq // hkv, q_sampled.shape[-1], (i1 - k0) * bs
+    rows = slice(i0 * per_block, i1 * per_block)
+    qpos, nq = qpos[rows], (i1 - i0) * per_block
+    spans = _spans_maybe_hidden(layout, i0, i1, k0, first_allowed, window, per_block)
+    kpos = torch.arange(k0 * bs, i1 * bs, device=qpos.device)
+    hidden = [~_visible(layout, qpos, kpos[a:b], lo, window) for a, b in spans]
+    qs = q_sampled[:, rows].reshape(hkv, g * nq, d)
     ks = k[:, k0 * bs:i1 * bs]
     # one key-value head at a time when even one query block's logits pass the chunk budget (very long rows)
-    step = 1 if hq * nq * nk > _chunk_elements(q.device) else hkv
+    step = 1 if hq * nq * nk > _chunk_elements(qs.device) else hkv
     shares = []
     for h in range(0, hkv, step):
         heads = min(step, hkv - h)
-        logits, probs = (buf[:heads * g * nq * nk].view(heads, g * nq, nk) for buf in scratch)
+        logits = scratch[:heads * g * nq * nk].view(heads, g * nq, nk)
         for head in range(heads):  # a batched product of these key slices copies them first in bfloat16 on CPU
             torch.mm(qs[h + head], ks[h + head].T, out=logits[head])
         logits = logits.view(heads, g, nq, nk)
-        if cols is None:
-            logits.masked_fill_(hidden, _NEG_INF)
-        else:
-            logits[..., cols] = logits[..., cols].masked_fill_(hidden, _NEG_INF)  # one pass over those columns only
-        # one fused pass (max, exp, sum, scale: half the time of the same steps op by op); every sampled token
-        # sees itself, so no row is all -inf
-        torch.ops.aten._softmax.out(logits, -1, False, out=probs.view(heads, g, nq, nk))
-        mass = probs.view(heads, g, i1 - i0, per_block, i1 - k0, bs).sum(-1).float()
+        for (a, b), mask in zip(spans, hidden):
+            logits[..., a:b].masked_fill_(mask, _NEG_INF)
+        # one fused op (max, exp, sum, scale: half the time of the same steps op by op), in place (faster than into
+        # a second buffer, and half the memory); every sampled token sees itself, so no row is all -inf
+        torch.ops.aten._softmax.out(logits, -1, False, out=logits)
+        mass = logits.view(heads, g, i1 - i0, per_block, i1 - k0, bs).sum(-1).float()
         shares.append(mass.mean((1, 3)))  # each sampled token's softmax share of each block, averaged
     return torch.cat(shares, 0)
 

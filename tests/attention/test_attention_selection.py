@@ -1,6 +1,7 @@
 """Selection, budget mapping and reports."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -22,6 +23,7 @@ from sparsebalance_ft.attention.register import sparse_attention_row
 from sparsebalance_ft.attention.selection import (
     causal_counts,
     documents_from_positions,
+    sample_positions,
     sampled_recall,
     select_block_sets,
 )
@@ -274,12 +276,13 @@ def test_chunked_selection_equals_one_chunk(monkeypatch, rule, docs, window, sco
         assert _kept_sets(whole) == _kept_sets(chunked)
 
 
-@pytest.mark.parametrize("docs,window", [([200], None), ([100, 150, 64, 90], None), ([300], 70)])
+@pytest.mark.parametrize("docs,window", [([200], None), ([100, 150, 64, 90], None), ([33, 200, 65], None), ([300], 70)])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
 def test_sampled_shares_equal_a_plain_softmax_per_token(docs, window, dtype, atol):
-    """The sampled scores (logits and their softmax in reused scratch buffers, masked only on the columns that
-    need it) equal each sampled token's own float64 softmax summed per key block, in every chunking; scored
-    in bfloat16 they stay within its rounding."""
+    """The sampled scores (logits softmaxed in place in one reused scratch buffer, masked only on the column
+    spans that the chunk's ends bound) equal each sampled token's own float64 softmax summed per key block, in
+    every chunking, on documents with short tails (one real token among the samples) and under a window;
+    scored in bfloat16 they stay within its rounding."""
     from sparsebalance_ft.attention import selection
 
     q, k = _qk(hq=4, hkv=2, length=sum(docs), d=16)
@@ -289,14 +292,20 @@ def test_sampled_shares_equal_a_plain_softmax_per_token(docs, window, dtype, ato
     causal = causal_counts(layout, window)
     lo = torch.arange(nb) - causal + 1
     want = sampled_block_shares(qp, kp, layout, 3, 0.3, window)
-    for rows in (nb, 2, 1):
+    qpos = sample_positions(layout, 0, nb, 3)
+    q_sampled = (qp[:, qpos] * 0.3).to(dtype)
+    span = int(causal.max())
+    first_allowed = layout.first_allowed_blocks(window)
+    assert first_allowed == lo.tolist()
+    # each chunk's keys from its first query block's first allowed block (as the selection scores them), or from
+    # its longest span back
+    for rows, first_key in itertools.product((nb, 2, 1), (lambda i0: first_allowed[i0], lambda i0: max(0, i0 - span + 1))):
         got = torch.zeros(2, nb, nb, dtype=torch.float64)
-        span = int(causal.max())
         scratch = selection._sampled_scratch(qp, kp, rows, span, nb, 32, 3, dtype)
         for i0 in range(0, nb, rows):
-            i1, k0 = min(nb, i0 + rows), max(0, i0 - span + 1)
-            got[:, i0:i1, k0:i1] = selection._sampled_shares(qp, kp.to(dtype), layout, i0, i1, k0, lo, window, 0.3, 3,
-                                                             scratch).double()
+            i1, k0 = min(nb, i0 + rows), first_key(i0)
+            got[:, i0:i1, k0:i1] = selection._sampled_shares(q_sampled, qpos, kp.to(dtype), layout, i0, i1, k0, lo,
+                                                             first_allowed, window, 3, scratch).double()
         torch.testing.assert_close(got, want, atol=atol, rtol=0)
 
 
