@@ -5,8 +5,9 @@ speed is a ratio of two codes that one checkout does not hold. The earlier `atte
 from git (`git show COMMIT:...`) into a temporary module; both select at the default budget from the same
 q and k (SmolLM2-135M's shape: 9 query heads, 3 key-value heads, head dim 64, q and k strided as the model
 hands them over, bfloat16 scoring as on a CPU with AMX), first on small layouts where the chosen blocks are
-compared (one document, packed documents with short tails, a sliding window), then at each length, where
-the medians of the timed rounds give the ratio. Last, torch's profiler splits one selection of this
+compared (one document, packed documents with short tails, a sliding window), then at each length as one
+document, and at the longest packed with documents of `--packed` tokens (as training packs them), where the
+medians of the timed rounds give the ratio. Last, torch's profiler splits one selection of this
 checkout at the longest length by operator: what is left to make faster.
 
     .venv/bin/python docs/scripts/selection_before_after.py 008c7e9 --out bench_results/selection/cpu-before-after.json
@@ -83,10 +84,29 @@ def profile_shares(q, k, length: int, config: SparsityConfig) -> dict[str, float
     return {name: t / total for name, t in parts.items()}
 
 
+def time_case(before, docs: list[int], rounds: int, config: SparsityConfig) -> dict:
+    """Medians of `rounds` selections of one row holding `docs`, by each code, alternating (after one
+    warm-up round)."""
+    q, k = model_like_qk(sum(docs))
+    seconds = {"before": [], "after": []}
+    for round_ in range(rounds + 1):
+        for name, module in (("before", before), ("after", current)):
+            start = time.perf_counter()
+            select(module, q, k, docs, None, config)
+            if round_:
+                seconds[name].append(time.perf_counter() - start)
+    median = {name: sorted(s)[len(s) // 2] for name, s in seconds.items()}
+    print(f"{sum(docs):>6} tokens in {len(docs)} document(s): before {median['before']:.3f} s, after "
+          f"{median['after']:.3f} s, after/before {median['after'] / median['before']:.2f}", flush=True)
+    return {"length": sum(docs), "documents": len(docs), "before_s": median["before"], "after_s": median["after"],
+            "after_over_before": median["after"] / median["before"], "seconds": seconds}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("commit", help="the earlier commit whose selection.py is compared")
     parser.add_argument("--lengths", default="8192,16384,32768")
+    parser.add_argument("--packed", type=int, default=4096, help="document length of the packed row")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per code and length (after one warm-up)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -98,21 +118,11 @@ def main() -> None:
             q, k = model_like_qk(sum(docs))
             a, b = (select(m, q, k, docs, window, config) for m in (before, current))
             same[f"{docs} window={window}"] = torch.equal(a.counts, b.counts) and kept_sets(a) == kept_sets(b)
-        rows = []
-        for length in (int(x) for x in args.lengths.split(",")):
-            q, k = model_like_qk(length)
-            seconds = {"before": [], "after": []}
-            for round_ in range(args.rounds + 1):
-                for name, module in (("before", before), ("after", current)):
-                    start = time.perf_counter()
-                    select(module, q, k, [length], None, config)
-                    if round_:  # the first round warms both up
-                        seconds[name].append(time.perf_counter() - start)
-            median = {name: sorted(s)[len(s) // 2] for name, s in seconds.items()}
-            rows.append({"length": length, "before_s": median["before"], "after_s": median["after"],
-                         "after_over_before": median["after"] / median["before"], "seconds": seconds})
-            print(f"{length:>6} tokens: before {median['before']:.3f} s, after {median['after']:.3f} s, "
-                  f"after/before {median['after'] / median['before']:.2f}", flush=True)
+        lengths = [int(x) for x in args.lengths.split(",")]
+        cases = [[length] for length in lengths] + [[args.packed] * (lengths[-1] // args.packed)]
+        rows = [time_case(before, docs, args.rounds, config) for docs in cases]
+        length = lengths[-1]
+        q, k = model_like_qk(length)
         profile = profile_shares(q, k, length, config)
         print(f"{length} tokens, where this checkout's selection spends its time: "
               + ", ".join(f"{name} {share:.0%}" for name, share in profile.items()))
