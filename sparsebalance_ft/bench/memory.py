@@ -141,6 +141,7 @@ def _model_step(case: MemoryCase, device) -> Callable[[], float]:
     from ..attention import SparseAttentionController, SparsityConfig
     from ..recipe import LoraConfig
     from ..train.loss import micro_batch_loss
+    from ..train.model import enable_checkpointing
 
     torch.manual_seed(0)
     config = LlamaConfig(**SMOLLM2_SHAPE, max_position_embeddings=max(8192, case.tokens), attn_implementation="sdpa")
@@ -150,9 +151,8 @@ def _model_step(case: MemoryCase, device) -> Callable[[], float]:
                                                  task_type="CAUSAL_LM"))
     if case.attention == "sparse":
         SparseAttentionController.attach(model, SparsityConfig())
-    if case.checkpointing:  # as train.model.load_model does it
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+    if case.checkpointing:
+        enable_checkpointing(model)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)

@@ -168,6 +168,19 @@ def full_training_summary(model: torch.nn.Module) -> str | None:
     return f"trained in full beside LoRA: {count:,} parameters ({mib:.0f} MiB with gradients and AdamW state)"
 
 
+def enable_checkpointing(model) -> None:
+    """Recompute each decoder layer in the backward (non-reentrant), with the input embeddings' output
+    requiring grad so that checkpointed LoRA layers get gradients. transformers 5.x renamed
+    `gradient_checkpointing_enable` to `activation_checkpointing_enable`, which also sets the embeddings'
+    hook, and warns on every call of the old name; the releases before the rename only know the old one."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        return
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+
+
 def load_model(recipe: Recipe, adapter_dir: str | Path | None = None, trainable: bool = True):
     """`(model, tokenizer)` as training and evaluation use them; LoRA applied when the recipe enables it."""
     tokenizer = load_tokenizer(recipe)
@@ -175,9 +188,7 @@ def load_model(recipe: Recipe, adapter_dir: str | Path | None = None, trainable:
     if recipe.lora.enabled or adapter_dir is not None:
         model = apply_lora(model, recipe, adapter_dir, trainable)
     if recipe.uses_gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if hasattr(model, "enable_input_require_grads"):
-            model.enable_input_require_grads()
+        enable_checkpointing(model)
     if not trainable:
         model.eval()
     return model, tokenizer

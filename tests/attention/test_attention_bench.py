@@ -53,7 +53,7 @@ def test_gradient_checkpointing_recompute_is_not_counted(tmp_path):
                       num_key_value_heads=1)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sparsebalance")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ctl = SparseAttentionController.attach(model, SparsityConfig(block_size=16, k_min=1, k_max=2))
     ids = torch.randint(0, 64, (1, 96))

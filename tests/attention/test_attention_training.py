@@ -62,7 +62,7 @@ def test_checkpoint_recompute_reuses_the_forward_selection(reentrant, monkeypatc
     report_plain = ctl_plain.pop_report()
 
     checkpointed = _model()
-    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     ctl = SparseAttentionController.attach(checkpointed, config)
     selections = _counting(monkeypatch, attention_budget, "select_block_sets")  # the controller's select
     recalls = _counting(monkeypatch, attention_register, "sampled_recall_tensor")
@@ -107,7 +107,7 @@ def _reads_of_a_training_step(monkeypatch, layers: int) -> int:
     step's `pop_report`. The kernel is a GPU backend's (no host plan), stood in for by dense SDPA: the CPU
     torch kernel's plan reads its counts by design."""
     model = _model(layers)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     ctl = SparseAttentionController.attach(model, SparsityConfig(block_size=16, k_min=1, k_max=2, budget=0.3,
                                                                  recall_samples=4))
 

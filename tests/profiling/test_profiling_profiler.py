@@ -144,7 +144,7 @@ def test_profile_with_gradient_checkpointing_and_a_dense_backend(tiny_model_dir)
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM"))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     settings = ProfileSettings(lengths=[64, 128], token_points=2, warmup=0, repeats=1, threads=1, clock="cpu",
                                calibration_batches=0)
