@@ -488,8 +488,8 @@ def _sampled_shares(q_sampled: torch.Tensor, qpos: torch.Tensor, k: torch.Tensor
     rows = slice(i0 * per_block, i1 * per_block)
     qpos, nq = qpos[rows], (i1 - i0) * per_block
     spans = _spans_maybe_hidden(layout, i0, i1, k0, first_allowed, window, per_block)
-    kpos = torch.arange(k0 * bs, i1 * bs, device=qpos.device)
-    hidden = [~_visible(layout, qpos, kpos[a:b], lo, window) for a, b in spans]
+    hidden = [~_visible(layout, qpos, torch.arange(k0 * bs + a, k0 * bs + b, device=qpos.device), lo, window)
+              for a, b in spans]
     qs = q_sampled[:, rows].reshape(hkv, g * nq, d)
     ks = k[:, k0 * bs:i1 * bs]
     # one key-value head at a time when even one query block's logits pass the chunk budget (very long rows)
