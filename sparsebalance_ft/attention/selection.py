@@ -434,7 +434,14 @@ def sample_positions(layout: Layout, i0: int, i1: int, per_block: int) -> torch.
     rows = torch.arange(i0, i1, device=layout.block_tokens.device)
     real = layout.block_tokens[rows].clamp(min=1)
     t = torch.arange(1, per_block + 1, device=rows.device)
-    return (rows[:, None] * layout.block_size + ((t[None, :] * real[:, None]) // per_block - 1).clamp(min=0)).reshape(-1)
+    return (rows[:, None] * layout.block_size + _sampled_offset(t[None, :], real[:, None], per_block)).reshape(-1)
+
+
+def _sampled_offset(t, real, per_block: int):
+    """Offset in its block of a block's `t`-th sampled token (1-based) when it holds `real` real tokens:
+    ints on the host (`_spans_maybe_hidden`) or tensors on the device (`sample_positions`), one formula."""
+    offset = (t * real) // per_block - 1
+    return offset.clamp(min=0) if isinstance(offset, torch.Tensor) else max(0, offset)
 
 
 def _visible(layout: Layout, qpos: torch.Tensor, kpos: torch.Tensor, lo: torch.Tensor,
@@ -467,7 +474,7 @@ def _spans_maybe_hidden(layout: Layout, i0: int, i1: int, k0: int, first_allowed
     if window is not None:
         before = max(before, i1 * bs - window - start)
     real = max(1, layout.host_blocks()[1][i0])
-    after = i0 * bs + max(0, real // per_block - 1) + 1 - start
+    after = i0 * bs + _sampled_offset(1, real, per_block) + 1 - start
     if before >= after:
         return [(0, width)]
     return [(0, before), (after, width)] if before > 0 else [(after, width)]
