@@ -9,6 +9,7 @@ import typer
 from typer.testing import CliRunner
 
 from sparsebalance_ft.bench.attention import run_attention_bench
+from sparsebalance_ft.train.model import enable_checkpointing
 
 
 def test_run_attention_bench_rows():
@@ -53,7 +54,7 @@ def test_gradient_checkpointing_recompute_is_not_counted(tmp_path):
                       num_key_value_heads=1)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sparsebalance")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     model.train()
     ctl = SparseAttentionController.attach(model, SparsityConfig(block_size=16, k_min=1, k_max=2))
     ids = torch.randint(0, 64, (1, 96))

@@ -7,6 +7,7 @@ import torch
 from sparsebalance_ft.attention import SparseAttentionController, SparsityConfig, register_sparse_attention
 from sparsebalance_ft.attention import budget as attention_budget
 from sparsebalance_ft.attention import register as attention_register
+from sparsebalance_ft.train.model import enable_checkpointing
 
 VOCAB = 64
 DOCS = [100, 92]
@@ -107,7 +108,7 @@ def _reads_of_a_training_step(monkeypatch, layers: int) -> int:
     step's `pop_report`. The kernel is a GPU backend's (no host plan), stood in for by dense SDPA: the CPU
     torch kernel's plan reads its counts by design."""
     model = _model(layers)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     ctl = SparseAttentionController.attach(model, SparsityConfig(block_size=16, k_min=1, k_max=2, budget=0.3,
                                                                  recall_samples=4))
 

@@ -14,6 +14,7 @@ from sparsebalance_ft.attention.budget import SparseAttentionController
 from sparsebalance_ft.attention.config import SparsityConfig
 from sparsebalance_ft.attention.selection import make_layout, to_layout
 from sparsebalance_ft.balancer.layer_tuning import LayerCost, LayerTuner, blend_counts, layer_target, move_toward
+from sparsebalance_ft.train.model import enable_checkpointing
 
 CFG = SparsityConfig(block_size=16, k_min=2, k_max=6, budget=0.5, sink_blocks=1, local_blocks=2)
 
@@ -136,7 +137,7 @@ def test_gradient_checkpointing_recompute_selects_the_same_blocks(tmp_path):
                       num_key_value_heads=1)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sparsebalance")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     model.train()
     ctl = SparseAttentionController.attach(model, SparsityConfig(block_size=16, k_min=1, k_max=2))
 

@@ -19,6 +19,7 @@ from sparsebalance_ft.profiling.profiler import (
     profile_model,
 )
 from sparsebalance_ft.profiling.validate import random_micro_batches, validate_model
+from sparsebalance_ft.train.model import enable_checkpointing
 
 TINY = ProfileSettings(lengths=[64, 128], densities=[0.25, 1.0], token_points=2, warmup=1, repeats=1,
                        threads=1, clock="cpu", calibration_batches=3)
@@ -144,8 +145,7 @@ def test_profile_with_gradient_checkpointing_and_a_dense_backend(tiny_model_dir)
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM"))
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
+    enable_checkpointing(model)
     settings = ProfileSettings(lengths=[64, 128], token_points=2, warmup=0, repeats=1, threads=1, clock="cpu",
                                calibration_batches=0)
     profile = profile_model(model, DenseDriver(), max_len=128, token_cap=128, settings=settings, progress=False)
