@@ -93,8 +93,7 @@ class Layout:
         starts, _ = self.host_blocks()
         if window is None:
             return starts
-        bs = self.block_size
-        return [max(start, (i * bs - window - bs + 1) // bs + 1) for i, start in enumerate(starts)]
+        return [max(start, _window_first_block(i, self.block_size, window)) for i, start in enumerate(starts)]
 
     def longest_span(self, window: int | None = None) -> int:
         """The most allowed key blocks of any query block (`causal_counts(...).max()`, known on the host):
@@ -190,9 +189,15 @@ def causal_counts(layout: Layout, window: int | None = None) -> torch.Tensor:
     i = torch.arange(nb, device=layout.block_start.device)
     lo = layout.block_start
     if window is not None:
-        # smallest j with j*bs + bs - 1 > i*bs - window
-        lo = torch.maximum(lo, torch.div(i * bs - window - bs + 1, bs, rounding_mode="floor") + 1)
+        lo = torch.maximum(lo, _window_first_block(i, bs, window))
     return i - lo + 1
+
+
+def _window_first_block(i, block_size: int, window: int):
+    """The first key block that query block `i`'s last token still sees through a sliding `window`: the
+    smallest j with j*bs + bs - 1 > i*bs - window. Floor division on ints (`Layout.first_allowed_blocks`, on
+    the host) and on tensors (`causal_counts`, on the device) alike, so the two keep one rule."""
+    return (i * block_size - window - block_size + 1) // block_size + 1
 
 
 def pooled(x: torch.Tensor, layout: Layout) -> torch.Tensor:
