@@ -1,6 +1,6 @@
-"""The measurement scripts in docs/scripts reach into the kernel's private pieces, so a refactor of
-`torch_kernel.py` could break them silently until the next person re-runs a documented figure: run each
-Python one on a tiny problem."""
+"""docs/scripts/kernel_parts.py reaches into the kernel's private pieces, so a refactor of `torch_kernel.py`
+could break it silently until the next person re-runs its documented figures: run it on a tiny layer.
+(`selection_before_after.py` compares against an earlier commit read from git: not a unit test's job.)"""
 from __future__ import annotations
 
 import importlib.util
