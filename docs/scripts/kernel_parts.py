@@ -53,20 +53,20 @@ def parts_at(length: int, density: float, repeats: int) -> dict:
             flash_fwd(qr[sl], kd, vd, is_causal=True, scale=scale)
         tk._WORKERS.map(part, tk._row_slices(rows, 4 * torch.get_num_threads()))
 
+    def off_diagonal_inputs(item):
+        """A chunk's queries (its rows' group heads folded into one sequence) and its gathered kept blocks."""
+        chunk_rows, c = item
+        n = chunk_rows.numel()
+        _, kg, vg = tk._kept_off_diagonal_blocks(kb, vb, plan, chunk_rows, c)
+        return qr.index_select(0, chunk_rows).view(n, 1, group * bs, HEAD_DIM), kg, vg
+
     def off_diagonal(gathered: bool):
-        def part(item):
-            chunk_rows, c = item
-            n = chunk_rows.numel()
-            _, kg, vg = tk._kept_off_diagonal_blocks(kb, vb, plan, chunk_rows, c)
-            flash_fwd(qr.index_select(0, chunk_rows).view(n, 1, group * bs, HEAD_DIM), kg, vg, scale=scale)
         if not gathered:
-            return lambda: tk._WORKERS.map(part, plan.off_chunks, cost=lambda it: it[0].numel() * it[1])
-        inputs = []
-        for chunk_rows, c in plan.off_chunks:
-            n = chunk_rows.numel()
-            _, kg, vg = tk._kept_off_diagonal_blocks(kb, vb, plan, chunk_rows, c)
-            inputs.append((qr.index_select(0, chunk_rows).view(n, 1, group * bs, HEAD_DIM), kg, vg))
-        return lambda: tk._WORKERS.map(lambda it: flash_fwd(*it, scale=scale), inputs, cost=lambda it: it[1].shape[2] * it[0].shape[0])
+            return lambda: tk._WORKERS.map(lambda it: flash_fwd(*off_diagonal_inputs(it), scale=scale),
+                                           plan.off_chunks, cost=lambda it: it[0].numel() * it[1])
+        inputs = [off_diagonal_inputs(item) for item in plan.off_chunks]
+        return lambda: tk._WORKERS.map(lambda it: flash_fwd(*it, scale=scale), inputs,
+                                       cost=lambda it: it[1].shape[2] * it[0].shape[0])
 
     arms = {
         "dense_forward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
