@@ -237,6 +237,13 @@ bench-sharding: install $(REAL)/sbft_model.json
 bench-memory-selection: install
 	$(SBFT) bench memory --workload selection --selection-tokens 16384,32768,65536 --out $(BENCH)/memory/selection.json
 
+# No GPU needed: the Triton kernels compiled for an A100, an L40S / RTX 4090 and an H100 / H200 with triton's own
+# ptxas, at the settings their wrappers launch with: the pipelining depth at which each fits the card's shared
+# memory, its registers and spills (about 25 minutes, most of it fp32 128 x 128 tiles).
+.PHONY: triton-compile
+triton-compile: install
+	$(PY) -m sparsebalance_ft.bench.triton_compile --out $(BENCH)/gpu/triton-compile.json
+
 # On a machine with a CUDA GPU, one command ending in one JSON (sized for ten minutes on an H200 from the parts
 # timed there; never yet run whole): the Triton kernels' tests compiled (block-sparse attention, the selection's
 # sampled scores), one attention layer per sparse backend (bf16, fwd+bwd, also keeping every block; under `torch`

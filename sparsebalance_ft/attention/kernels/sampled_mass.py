@@ -9,7 +9,8 @@ at 64K (`bench_results/gpu/step-triton.json`, measured before this kernel). Here
 registers: a first pass over the key blocks finds each sampled row's softmax maximum and normaliser, a
 second recomputes the probabilities and sums them per key block (one tile is one block), averaged over the
 row's query block's samples and its group's query heads. Status: checked against a float64 per-token
-reference under triton's interpreter only; `make gpu-check` times it.
+reference under triton's interpreter and compiled here for sm_80, sm_89 and sm_90a (`make triton-compile`),
+never run on a GPU; `make gpu-check` runs and times it.
 
 One program takes `R` consecutive query blocks of one key-value head: their `G` query heads x `S` samples,
 padded to `GP` rows each, make one tile of R x GP rows, so every key tile loaded serves R blocks.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton import TRITON_AVAILABLE, interpreting
+from .triton import TRITON_AVAILABLE, interpreting, launch
 
 if TRITON_AVAILABLE:
     import triton
@@ -100,13 +101,20 @@ def sampled_block_mass(q: torch.Tensor, k: torch.Tensor, qpos: torch.Tensor, lo:
     allowed key block (all of them); block_tokens: each block's real tokens."""
     hq, length, d = q.shape
     hkv = k.shape[0]
-    group, rows, keys = hq // hkv, i1 - i0, i1 - k0
-    padded = triton.next_power_of_2(group * per_block)
-    per_program = max(1, _TILE_ROWS // padded)
+    rows, keys = i1 - i0, i1 - k0
+    meta = kernel_constexprs(hq // hkv, per_block, block_size, d, window, k.dtype)
     out = torch.zeros(hkv, rows, keys, dtype=torch.float32, device=q.device)
-    _sampled_mass_kernel[(triton.cdiv(rows, per_program), hkv)](
-        q, k, qpos.to(torch.int32), lo[i0:i1].to(torch.int32), block_tokens.to(torch.int32), out,
-        scale * _LOG2E, window or 0, length, rows, keys, i0, k0,
-        G=group, S=per_block, GP=padded, R=per_program, BS=block_size, D=d, HAS_WINDOW=window is not None,
-        PREC="ieee" if k.dtype == torch.float32 else None, num_warps=4)
+    launch(_sampled_mass_kernel, (triton.cdiv(rows, meta["R"]), hkv), q, k, qpos.to(torch.int32),
+           lo[i0:i1].to(torch.int32), block_tokens.to(torch.int32), out, scale * _LOG2E, window or 0, length, rows,
+           keys, i0, k0, **meta)
     return out
+
+
+def kernel_constexprs(group: int, per_block: int, block_size: int, d: int, window: int | None,
+                      dtype: torch.dtype) -> dict:
+    """The kernel's compile-time settings for keys of `dtype` (the scoring precision): what the selection
+    launches and `bench/triton_compile.py` compiles for GPUs this machine lacks. A query block's G x S sampled
+    rows are padded to a power of two (GP) for the tile, and R blocks share one program's rows."""
+    padded = triton.next_power_of_2(group * per_block)
+    return {"G": group, "S": per_block, "GP": padded, "R": max(1, _TILE_ROWS // padded), "BS": block_size, "D": d,
+            "HAS_WINDOW": window is not None, "PREC": "ieee" if dtype == torch.float32 else None, "num_warps": 4}

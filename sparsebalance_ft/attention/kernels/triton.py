@@ -3,7 +3,9 @@
 Import-guarded: the CPU install never needs triton; `TRITON_AVAILABLE` tells whether it imports. The
 kernels run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (triton's interpreter, which
 is how the tests check them without a GPU). Status: checked against dense attention and the torch
-kernel under the interpreter only; not yet run or timed on a GPU (``make gpu-check`` does both).
+kernel under the interpreter; compiled here for sm_80, sm_89 and sm_90a (``make triton-compile``: shared
+memory, registers, spills); run on a GPU once, inside an H200 training step, but never timed alone
+(``make gpu-check`` does both).
 
 Layout and semantics are those of kernels/torch_kernel.py: ``q [B, Hq, L, D]``, ``k, v [B, Hkv, L, D]``,
 ``block_indices [B, Hkv, nq, K]`` with the first ``block_counts[b, h, i]`` entries kept, token-level
@@ -28,6 +30,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 
     TRITON_AVAILABLE = True
 except ImportError:  # pragma: no cover - triton is optional (the `triton` extra)
@@ -188,15 +191,40 @@ def _transposed_index(idx: torch.Tensor, cnt: torch.Tensor, nk: int) -> tuple[to
     return tptr, qblock[order].to(torch.int32).contiguous()
 
 
-def _launch_opts(bs: int, d: int, dtype: torch.dtype) -> dict:
-    """fp32 inputs keep fp32 products ("ieee"): tf32 would silently lower the precision fp32 asks for.
+def kernel_constexprs(group: int, bs: int, d: int, window: int | None, dtype: torch.dtype) -> dict:
+    """The compile-time settings of the forward, dQ and dK/dV kernels for q of `dtype`: what `make gpu-check`
+    runs and `bench/triton_compile.py` compiles for GPUs this machine lacks. fp32 inputs keep fp32 products
+    ("ieee"): tf32 would silently lower the precision fp32 asks for."""
+    return {"G": group, "BS": bs, "D": d, "HAS_WINDOW": window is not None,
+            "PREC": "ieee" if dtype == torch.float32 else None, "num_warps": 4 if bs * d <= 64 * 64 else 8}
 
-    A 128 x 128 fp32 tile pipelined over triton's default stages needs 384 KiB of shared memory, over an
-    H200's 227 KiB (seen there: OutOfResources in test_large_tiles); one stage fits."""
-    opts = {"num_warps": 4 if bs * d <= 64 * 64 else 8, "PREC": "ieee" if dtype == torch.float32 else None}
-    if bs * d * torch.finfo(dtype).bits // 8 >= 128 * 128 * 4:
-        opts["num_stages"] = 1
-    return opts
+
+# Software-pipelining depths, deepest (triton's default) first: a kernel's shared memory grows with the depth,
+# and some tiles fit a GPU only shallower (fp32 64 x 128 on an A100: bench_results/gpu/triton-compile.json).
+PIPELINE_STAGES = (3, 2, 1)
+_fitting_stages: dict[tuple, int] = {}
+
+
+def launch(kernel, grid, *args, **meta) -> None:
+    """``kernel[grid](*args, **meta)`` at the deepest of `PIPELINE_STAGES` whose shared memory the GPU holds.
+
+    Triton compares a compiled kernel's shared memory with the device's before it runs anything, so a depth
+    it refuses (OutOfResources) has no effect and the next is tried; the depth that fits is remembered per
+    kernel, device and settings. Tiles that fit at no depth (fp32 128 x 128 in the backward needs 256 KiB or
+    more, over an H100's 227 KiB) stop with a one-line error that says what to change."""
+    key = (kernel, args[0].device, tuple(sorted(meta.items())))
+    refused = None
+    for stages in (_fitting_stages[key],) if key in _fitting_stages else PIPELINE_STAGES:
+        try:
+            kernel[grid](*args, num_stages=stages, **meta)
+        except OutOfResources as error:
+            refused = error
+            continue
+        _fitting_stages[key] = stages
+        return
+    raise ValueError(f"triton kernel {kernel.__name__}: {args[0].dtype} tiles of block size {meta['BS']} and head dim "
+                     f"{meta['D']} fit this GPU at no pipelining depth ({refused.name}: {refused.required} needed, "
+                     f"{refused.limit} there); use bfloat16 or float16, or a smaller sparsity.block_size") from refused
 
 
 class _TritonBlockSparseFn(torch.autograd.Function):
@@ -206,9 +234,8 @@ class _TritonBlockSparseFn(torch.autograd.Function):
         nq = L // bs
         o = torch.empty_like(q)
         lse = torch.empty(b, hq, L, dtype=torch.float32, device=q.device)
-        _fwd_kernel[(nq, b * hq)](q, k, v, o, lse, idx, cnt, scale * _LOG2E, window or 0, L, nq, idx.shape[-1],
-                                  G=hq // k.shape[1], BS=bs, D=d, HAS_WINDOW=window is not None,
-                                  **_launch_opts(bs, d, q.dtype))
+        launch(_fwd_kernel, (nq, b * hq), q, k, v, o, lse, idx, cnt, scale * _LOG2E, window or 0, L, nq,
+               idx.shape[-1], **kernel_constexprs(hq // k.shape[1], bs, d, window, q.dtype))
         ctx.save_for_backward(q, k, v, o, lse, idx, cnt)
         ctx.meta = (bs, scale, window)
         return o
@@ -220,17 +247,16 @@ class _TritonBlockSparseFn(torch.autograd.Function):
         b, hq, L, d = q.shape
         hkv, nq = k.shape[1], L // bs
         do = do.contiguous()
-        opts = _launch_opts(bs, d, q.dtype)
-        common = dict(G=hq // hkv, BS=bs, D=d, HAS_WINDOW=window is not None, **opts)
+        common = kernel_constexprs(hq // hkv, bs, d, window, q.dtype)
         delta = torch.empty_like(lse)
-        _delta_kernel[(b * hq * nq,)](o, do, delta, BS=bs, D=d, num_warps=opts["num_warps"])
+        launch(_delta_kernel, (b * hq * nq,), o, do, delta, BS=bs, D=d, num_warps=common["num_warps"])
         dq = torch.empty_like(q)
-        _dq_kernel[(nq, b * hq)](q, k, v, do, dq, lse, delta, idx, cnt, scale, scale * _LOG2E, window or 0, L, nq,
-                                 idx.shape[-1], **common)
+        launch(_dq_kernel, (nq, b * hq), q, k, v, do, dq, lse, delta, idx, cnt, scale, scale * _LOG2E, window or 0, L,
+               nq, idx.shape[-1], **common)
         tptr, tidx = _transposed_index(idx, cnt, nq)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        _dkdv_kernel[(nq, b * hkv)](q, k, v, do, dk, dv, lse, delta, tptr, tidx, scale, scale * _LOG2E, window or 0,
-                                    L, nq, **common)
+        launch(_dkdv_kernel, (nq, b * hkv), q, k, v, do, dk, dv, lse, delta, tptr, tidx, scale, scale * _LOG2E,
+               window or 0, L, nq, **common)
         return dq, dk, dv, None, None, None, None, None
 
 
