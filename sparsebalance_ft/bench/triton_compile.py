@@ -63,7 +63,7 @@ def signature(kernel, dtype: torch.dtype, fp32_out: bool = False) -> dict[str, s
         name = param.name
         if param.is_constexpr:
             types[name] = "constexpr"
-        elif name == "Out" and fp32_out or name in _FP32_POINTERS:
+        elif (name == "Out" and fp32_out) or name in _FP32_POINTERS:
             types[name] = "*fp32"
         elif name in _MODEL_POINTERS:
             types[name] = "*" + _TRITON_DTYPES[dtype]
