@@ -244,12 +244,28 @@ bench-memory-selection: install
 triton-compile: install
 	$(PY) -m sparsebalance_ft.bench.triton_compile --out $(BENCH)/gpu/triton-compile.json
 
+# A GPU session's luggage (docs/gpu-session.md), packed here because nothing can be fetched there and a call
+# takes at most 64 MiB: the wheels that the lent GPU image lacks, for its Python 3.12 (pydantic and what it
+# needs, gguf), at this venv's versions, and SmolLM2's GGUF (94 MB) in two parts, one per call.
+GPU_BUNDLE = .gpu
+GPU_WHEELS = pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	typing-extensions==4.16.0 gguf==0.19.0
+.PHONY: gpu-bundle
+gpu-bundle: install
+	rm -rf $(GPU_BUNDLE) && mkdir -p $(GPU_BUNDLE)/wheels
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(GPU_BUNDLE)/wheels $(GPU_WHEELS)
+	split -n 2 -d $$($(PY) -c "from sparsebalance_ft.modeling.real import MODELS, locate_gguf; \
+		print(locate_gguf(MODELS['smollm2']))") $(GPU_BUNDLE)/smollm2.gguf.part
+	du -sh $(GPU_BUNDLE)/*
+
 # On a machine with a CUDA GPU, one command ending in one JSON (sized for ten minutes on an H200 from the parts
 # timed there; never yet run whole): the Triton kernels' tests compiled (block-sparse attention, the selection's
 # sampled scores), one attention layer per sparse backend (bf16, fwd+bwd, also keeping every block; under `torch`
 # the selection stays in torch ops, so its column compares the two scorings), the whole training step of SmolLM2
 # per backend from 4K to 64K tokens, then the headline of each file. On a machine whose python already holds a
-# CUDA torch: `make -o install gpu-check PY=python3 SBFT="python3 -m sbft_cli.app"`.
+# CUDA torch: `make -o install gpu-check PY=python3 SBFT="python3 -m sbft_cli.app"`. On this workplace's lent
+# GPU, see docs/gpu-session.md (make gpu-bundle here, then two calls there).
 gpu-check: install $(REAL)/sbft_model.json
 	$(PY) -m pytest -q -p no:cacheprovider tests/attention/test_attention_triton.py tests/attention/test_attention_sampled_mass.py
 	for be in flex triton torch; do \
