@@ -82,7 +82,7 @@ def kernels_at(dtype: torch.dtype, block_size: int, head_dim: int, group: int, p
     """(name, kernel, signature, settings) of every kernel a training step launches for these shapes: the
     attention's forward and its three backward kernels, and the selection's sampled-mass kernel."""
     common = attention.kernel_constexprs(group, block_size, head_dim, None, dtype)
-    delta = {"BS": block_size, "D": head_dim, "num_warps": common["num_warps"]}
+    delta = attention.delta_constexprs(common)
     sampled = sampled_mass.kernel_constexprs(group, per_block, block_size, head_dim, None, dtype)
     return [
         ("forward", attention._fwd_kernel, signature(attention._fwd_kernel, dtype), common),

@@ -199,6 +199,11 @@ def kernel_constexprs(group: int, bs: int, d: int, window: int | None, dtype: to
             "PREC": "ieee" if dtype == torch.float32 else None, "num_warps": 4 if bs * d <= 64 * 64 else 8}
 
 
+def delta_constexprs(common: dict) -> dict:
+    """The backward's delta kernel's settings, taken from the other kernels' (`kernel_constexprs`)."""
+    return {name: common[name] for name in ("BS", "D", "num_warps")}
+
+
 # Software-pipelining depths, deepest (triton's default) first: a kernel's shared memory grows with the depth,
 # and some tiles fit a GPU only shallower (fp32 64 x 128 on an A100: bench_results/gpu/triton-compile.json).
 PIPELINE_STAGES = (3, 2, 1)
@@ -249,7 +254,7 @@ class _TritonBlockSparseFn(torch.autograd.Function):
         do = do.contiguous()
         common = kernel_constexprs(hq // hkv, bs, d, window, q.dtype)
         delta = torch.empty_like(lse)
-        launch(_delta_kernel, (b * hq * nq,), o, do, delta, BS=bs, D=d, num_warps=common["num_warps"])
+        launch(_delta_kernel, (b * hq * nq,), o, do, delta, **delta_constexprs(common))
         dq = torch.empty_like(q)
         launch(_dq_kernel, (nq, b * hq), q, k, v, do, dq, lse, delta, idx, cnt, scale, scale * _LOG2E, window or 0, L,
                nq, idx.shape[-1], **common)
